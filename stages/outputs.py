@@ -1,0 +1,49 @@
+"""Write outputs whole or not at all: a temp file beside the target, renamed over it only when complete."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path | str) -> Iterator[Path]:
+    """Yield a temp path in the target's folder; on success rename it to path, on error remove it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text(path: Path | str, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json(path: Path | str, data: Any) -> None:
+    write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def read_json(path: Path | str) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def write_table(path: Path | str, rows: Sequence[dict[str, Any]], columns: Sequence[str], delimiter: str = "\t") -> None:
+    """A TSV (or CSV) with a header even when there are no rows, so DVC plots and pandas can read it."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(columns), delimiter=delimiter, extrasaction="raise")
+            writer.writeheader()
+            writer.writerows(rows)

@@ -1,0 +1,123 @@
+"""Stage `sweep`: peak memory at a ladder of micro-batch sizes, and the planner fitted on it.
+
+Each point runs in a fresh process, so the kernel's RSS high-water mark (CPU) and the CUDA
+context and caches (GPU) belong to that point alone.
+
+    python -m stages.sweep              # the ladder in params.yaml, then the fit and card table
+    python -m stages.sweep --point 256  # one point; prints its JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from stages import params, planner
+from stages.accumulation import windows
+from stages.hardware import HARDWARE
+from stages.memory import MIB, peak_rss_mib
+from stages.models import build_model
+from stages.outputs import read_json, write_json, write_table
+from stages.train import SWEEP_PLAN, amp_dtype, train_epoch
+
+POINTS = Path("reports/sweep/points.tsv")
+POINT_COLUMNS = ("micro_batch", "fit", "peak_mib", "rss_peak_mib", "torch_max_allocated_mib",
+                 "torch_max_reserved_mib", "cuda_context_mib", "error")
+IMAGE_SIZE = 28  # MNIST and Fashion-MNIST alike; memory does not depend on pixel values
+
+
+def measure_point(p: dict[str, Any], device: torch.device, micro: int) -> dict[str, Any]:
+    """A few optimizer steps of the real training loop at one micro-batch size (GroupNorm, accum 1)."""
+    steps = p["memory"]["sweep_steps"]
+    model = build_model(**p["model"], norm="group", seed=p["seed"]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    dtype = amp_dtype(device, p["train"])
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    n = micro * steps
+    images = torch.randint(0, 256, (n, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8, device=device)
+    labels = torch.randint(0, p["model"]["num_classes"], (n,), device=device)
+    row: dict[str, Any] = dict.fromkeys(POINT_COLUMNS)
+    row.update(micro_batch=micro, fit=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        train_epoch(model, opt, scaler, images, labels, torch.arange(n, device=device), windows(n, micro, 1), dtype)
+    except torch.OutOfMemoryError as err:
+        row.update(fit=False, error=str(err).splitlines()[0][:200])
+    row["rss_peak_mib"] = round(peak_rss_mib(), 1)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        reserved = torch.cuda.memory_reserved()
+        row.update(torch_max_allocated_mib=round(torch.cuda.max_memory_allocated() / MIB, 1),
+                   torch_max_reserved_mib=round(torch.cuda.max_memory_reserved() / MIB, 1),
+                   cuda_context_mib=round((total - free - reserved) / MIB, 1))  # what nvidia-smi adds on top
+        row["peak_mib"] = round(row["torch_max_reserved_mib"] + row["cuda_context_mib"], 1)
+    else:
+        row["peak_mib"] = row["rss_peak_mib"]
+    return row
+
+
+def run_point(micro: int) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "stages.sweep", "--point", str(micro)], capture_output=True, text=True)
+    if proc.returncode == 0:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    row: dict[str, Any] = dict.fromkeys(POINT_COLUMNS)
+    tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    row.update(micro_batch=micro, fit=False, error=f"exit {proc.returncode}: {tail[:200]}")  # e.g. killed (-9)
+    return row
+
+
+def device_memory_mib(hw: dict[str, Any], p: dict[str, Any]) -> tuple[float, str]:
+    if hw["device"] == "cuda":
+        return float(hw["gpu"]["memory_total_mib"]), f"{hw['gpu']['name']} memory"
+    host = psutil.virtual_memory().total / MIB
+    budget = p["memory"]["host_budget_gb"] * planner.GIB_MIB
+    return min(host, budget), "host memory (min of RAM and memory.host_budget_gb)"
+
+
+def main() -> None:
+    p = params.load()
+    hw = read_json(HARDWARE)
+    scale = p["scales"][hw["scale"]]
+    rows = []
+    for micro in scale["sweep_micro_batches"]:
+        row = run_point(micro)
+        print(f"sweep: micro-batch {micro}: " + (f"peak {row['peak_mib']} MiB" if row["fit"] else f"did not fit ({row['error']})"), flush=True)
+        rows.append(row)
+    fitted = [r for r in rows if r["fit"]]
+    fit = planner.fit([r["micro_batch"] for r in fitted], [r["peak_mib"] for r in fitted])
+    memory_mib, memory_what = device_memory_mib(hw, p)
+    margin = p["memory"]["safety_margin"]
+    auto = planner.smallest_accum(fit, memory_mib * (1 - margin), scale["batch"])
+    write_table(POINTS, rows, POINT_COLUMNS)
+    write_json(SWEEP_PLAN, {
+        "device": hw["device"], "scale": hw["scale"], "batch": scale["batch"],
+        "measure": "reserved + CUDA context (what nvidia-smi shows)" if hw["device"] == "cuda" else "peak RSS (host memory)",
+        "fit": fit, "points": rows,
+        "this_machine": {"memory_mib": round(memory_mib), "what": memory_what, "safety_margin": margin},
+        "auto_accum": auto,
+        "cards": planner.card_table(fit, scale["batch"], p["memory"]["cards_gb"], margin),
+    })
+    print(f"sweep: peak = {fit['fixed_mib']:.0f} MiB + {fit['per_sample_mib']:.3f} MiB/sample (r2 {fit['r2']:.3f}); "
+          f"accum auto -> {auto}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--point", type=int, help="measure one micro-batch size and print its JSON")
+    args = parser.parse_args()
+    try:
+        if args.point:
+            hw = read_json(HARDWARE)
+            print(json.dumps(measure_point(params.load(), torch.device(hw["device"]), args.point)))
+        else:
+            main()
+    except (params.ParamsError, ValueError) as err:
+        sys.exit(f"error: {err}")
