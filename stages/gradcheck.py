@@ -22,9 +22,9 @@ from stages.train import normalize
 
 GRADCHECK = Path("reports/gradcheck.json")
 GRADCHECK_TSV = Path("reports/gradcheck.tsv")
-BATCH = 96          # 7 does not divide it: micro-batches of 14, the last one 12
+BATCH = 96  # 7 does not divide it: micro-batches of 14, the last one 12
 ACCUMS = (1, 2, 3, 4, 7)
-TOLERANCE = 1e-5    # float32 rounding over a few million summed terms
+TOLERANCE = 1e-5  # float32 rounding over a few million summed terms
 
 
 def main() -> None:
@@ -41,17 +41,32 @@ def main() -> None:
         full = accumulated_gradient(model, x, y, 1)
         for accum in ACCUMS:
             diff = relative_difference(accumulated_gradient(model, x, y, accum), full)
-            rows.append({"norm": norm, "accum": accum, "micro_batch": micro_batch_size(BATCH, accum),
-                         "relative_difference": diff})
+            rows.append(
+                {
+                    "norm": norm,
+                    "accum": accum,
+                    "micro_batch": micro_batch_size(BATCH, accum),
+                    "relative_difference": diff,
+                }
+            )
             print(f"gradcheck: {norm}norm accum {accum}: ||g_accum - g_full|| / ||g_full|| = {diff:.3e}")
     group = [r["relative_difference"] for r in rows if r["norm"] == "group"]
     batch = [r["relative_difference"] for r in rows if r["norm"] == "batch" and r["accum"] > 1]
     write_table(GRADCHECK_TSV, rows, ("norm", "accum", "micro_batch", "relative_difference"))
-    write_json(GRADCHECK, {
-        "batch": BATCH, "device": device.type, "precision": "float32, TF32 off", "tolerance": TOLERANCE,
-        "groupnorm_max": max(group), "groupnorm_equal": max(group) <= TOLERANCE,
-        "batchnorm_min": min(batch), "batchnorm_differs": min(batch) > TOLERANCE, "rows": rows,
-    })
+    write_json(
+        GRADCHECK,
+        {
+            "batch": BATCH,
+            "device": device.type,
+            "precision": "float32, TF32 off",
+            "tolerance": TOLERANCE,
+            "groupnorm_max": max(group),
+            "groupnorm_equal": max(group) <= TOLERANCE,
+            "batchnorm_min": min(batch),
+            "batchnorm_differs": min(batch) > TOLERANCE,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def parse_csv(text: str) -> list[dict[str, float | None]]:
     rows = []
     for fields in reader:
         row: dict[str, float | None] = {}
-        for name, raw in zip(header, fields):
+        for name, raw in zip(header, fields, strict=False):
             value = raw.strip()
             row[name] = None if value in MISSING else float(value.split()[0])
         rows.append(row)
@@ -69,14 +69,14 @@ class MemorySampler:
         self.errors: list[str] = []
         self.nvidia_smi = device == "cuda" and shutil.which("nvidia-smi") is not None
         if device == "cuda" and not self.nvidia_smi:
-            warnings.warn("nvidia-smi not found on PATH: no GPU snapshots; PyTorch's figures are still recorded")
+            warnings.warn("nvidia-smi not on PATH: no GPU snapshots; PyTorch's figures still recorded", stacklevel=2)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._process = psutil.Process(os.getpid())
         self._start = 0.0
         self._peak = -1.0
 
-    def __enter__(self) -> "MemorySampler":
+    def __enter__(self) -> MemorySampler:
         self._start = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
         self._thread.start()
@@ -111,8 +111,11 @@ class MemorySampler:
             return row
         gpus = [g for g in parse_csv(run_nvidia_smi(GPU_QUERY)) if g.get("index") == self.gpu_index]
         gpu = gpus[0] if gpus else {}
-        row.update(gpu_used_mib=gpu.get("memory.used"), gpu_total_mib=gpu.get("memory.total"),
-                   gpu_util_pct=gpu.get("utilization.gpu"))
+        row.update(
+            gpu_used_mib=gpu.get("memory.used"),
+            gpu_total_mib=gpu.get("memory.total"),
+            gpu_util_pct=gpu.get("utilization.gpu"),
+        )
         mine = [a for a in parse_csv(run_nvidia_smi(APPS_QUERY)) if a.get("pid") == os.getpid()]
         if mine and mine[0].get("used_memory") is not None:
             row["process_mib"], row["source"] = mine[0]["used_memory"], "process"
@@ -130,6 +133,7 @@ class MemorySampler:
 
     def summary(self) -> dict[str, Any]:
         """Peak figures for the metrics file; on the CPU the kernel's high-water mark beats sampling."""
+
         def peak(column: str) -> float | None:
             values = [r[column] for r in self.rows if r[column] is not None]
             return max(values) if values else None
@@ -137,9 +141,14 @@ class MemorySampler:
         out: dict[str, Any] = {"samples": len(self.rows), "interval_ms": round(self.interval * 1000)}
         if self.device == "cuda":
             sources = sorted({r["source"] for r in self.rows if r["source"]})
-            out.update(nvidia_smi_peak_mib=peak("process_mib"), nvidia_smi_source="/".join(sources) or None,
-                       gpu_total_mib=peak("gpu_total_mib"))
-        out.update(rss_peak_mib=round(max(peak_rss_mib(), peak("rss_mib") or 0.0), 1), sampled_rss_peak_mib=peak("rss_mib"))
+            out.update(
+                nvidia_smi_peak_mib=peak("process_mib"),
+                nvidia_smi_source="/".join(sources) or None,
+                gpu_total_mib=peak("gpu_total_mib"),
+            )
+        out.update(
+            rss_peak_mib=round(max(peak_rss_mib(), peak("rss_mib") or 0.0), 1), sampled_rss_peak_mib=peak("rss_mib")
+        )
         if self.errors:
             out["sampler_errors"] = self.errors
         return out

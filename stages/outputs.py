@@ -7,8 +7,9 @@ import csv
 import json
 import os
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -40,7 +41,9 @@ def read_json(path: Path | str) -> Any:
     return json.loads(Path(path).read_text())
 
 
-def write_table(path: Path | str, rows: Sequence[dict[str, Any]], columns: Sequence[str], delimiter: str = "\t") -> None:
+def write_table(
+    path: Path | str, rows: Sequence[dict[str, Any]], columns: Sequence[str], delimiter: str = "\t"
+) -> None:
     """A TSV (or CSV) with a header even when there are no rows, so DVC plots and pandas can read it."""
     with atomic_path(path) as tmp:
         with open(tmp, "w", newline="") as f:

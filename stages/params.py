@@ -6,8 +6,9 @@ Every rule raises ParamsError with one message naming the key, the bad value and
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -149,8 +150,8 @@ SCHEMA: dict[str, Any] = {
     },
     "train": {
         "weight_decay": non_negative_number,
-        "amp_cuda": one_of("float16", "bfloat16", "off"),
-        "amp_cpu": one_of("bfloat16", "off"),
+        "amp_cuda": one_of("float16", "bfloat16", "float32"),
+        "amp_cpu": one_of("bfloat16", "float32"),
         "eval_batch": positive_int,
     },
     "memory": {
@@ -162,8 +163,6 @@ SCHEMA: dict[str, Any] = {
     },
     "variants": "VARIANTS",  # a mapping of name -> VARIANT, checked below
 }
-
-
 
 
 def _check_tree(prefix: str, schema: dict[str, Any], values: Any) -> None:

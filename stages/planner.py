@@ -7,7 +7,8 @@ From the fit: for an effective batch and a card size, the largest micro-batch an
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -19,12 +20,18 @@ def fit(micro_batches: Sequence[int], peaks_mib: Sequence[float]) -> dict[str, f
     x = np.asarray(micro_batches, dtype=float)
     y = np.asarray(peaks_mib, dtype=float)
     if len(set(x.tolist())) < 2:
-        raise ValueError(f"the fit needs peaks at two or more distinct micro-batch sizes, got {sorted(set(x.tolist()))}")
+        raise ValueError(
+            f"the fit needs peaks at two or more distinct micro-batch sizes, got {sorted(set(x.tolist()))}"
+        )
     per_sample, fixed = np.polyfit(x, y, 1)
     predicted = fixed + per_sample * x
     ss_res = float(((y - predicted) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum())
-    return {"fixed_mib": float(fixed), "per_sample_mib": float(per_sample), "r2": 1.0 - ss_res / ss_tot if ss_tot else 1.0}
+    return {
+        "fixed_mib": float(fixed),
+        "per_sample_mib": float(per_sample),
+        "r2": 1.0 - ss_res / ss_tot if ss_tot else 1.0,
+    }
 
 
 def predict_mib(model: dict[str, float], micro: int) -> float:
@@ -54,12 +61,14 @@ def card_table(model: dict[str, float], batch: int, cards_gb: Sequence[float], m
     for card in cards_gb:
         budget = card * GIB_MIB * (1 - margin)
         accum = smallest_accum(model, budget, batch)
-        rows.append({
-            "card_gb": card,
-            "usable_mib": round(budget),
-            "largest_micro_batch": largest_micro_batch(model, budget, batch),
-            "smallest_accum": accum,
-            "micro_batch": math.ceil(batch / accum) if accum else None,
-            "predicted_peak_mib": round(predict_mib(model, math.ceil(batch / accum))) if accum else None,
-        })
+        rows.append(
+            {
+                "card_gb": card,
+                "usable_mib": round(budget),
+                "largest_micro_batch": largest_micro_batch(model, budget, batch),
+                "smallest_accum": accum,
+                "micro_batch": math.ceil(batch / accum) if accum else None,
+                "predicted_peak_mib": round(predict_mib(model, math.ceil(batch / accum))) if accum else None,
+            }
+        )
     return rows

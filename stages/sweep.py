@@ -28,8 +28,16 @@ from stages.outputs import read_json, write_json, write_table
 from stages.train import SWEEP_PLAN, amp_dtype, train_epoch
 
 POINTS = Path("reports/sweep/points.tsv")
-POINT_COLUMNS = ("micro_batch", "fit", "peak_mib", "rss_peak_mib", "torch_max_allocated_mib",
-                 "torch_max_reserved_mib", "cuda_context_mib", "error")
+POINT_COLUMNS = (
+    "micro_batch",
+    "fit",
+    "peak_mib",
+    "rss_peak_mib",
+    "torch_max_allocated_mib",
+    "torch_max_reserved_mib",
+    "cuda_context_mib",
+    "error",
+)
 IMAGE_SIZE = 28  # MNIST and Fashion-MNIST alike; memory does not depend on pixel values
 
 
@@ -55,9 +63,11 @@ def measure_point(p: dict[str, Any], device: torch.device, micro: int) -> dict[s
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info()
         reserved = torch.cuda.memory_reserved()
-        row.update(torch_max_allocated_mib=round(torch.cuda.max_memory_allocated() / MIB, 1),
-                   torch_max_reserved_mib=round(torch.cuda.max_memory_reserved() / MIB, 1),
-                   cuda_context_mib=round((total - free - reserved) / MIB, 1))  # what nvidia-smi adds on top
+        row.update(
+            torch_max_allocated_mib=round(torch.cuda.max_memory_allocated() / MIB, 1),
+            torch_max_reserved_mib=round(torch.cuda.max_memory_reserved() / MIB, 1),
+            cuda_context_mib=round((total - free - reserved) / MIB, 1),
+        )  # what nvidia-smi adds on top
         row["peak_mib"] = round(row["torch_max_reserved_mib"] + row["cuda_context_mib"], 1)
     else:
         row["peak_mib"] = row["rss_peak_mib"]
@@ -65,7 +75,8 @@ def measure_point(p: dict[str, Any], device: torch.device, micro: int) -> dict[s
 
 
 def run_point(micro: int) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "stages.sweep", "--point", str(micro)], capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "stages.sweep", "--point", str(micro)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)  # a killed point is a result
     if proc.returncode == 0:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     row: dict[str, Any] = dict.fromkeys(POINT_COLUMNS)
@@ -89,7 +100,11 @@ def main() -> None:
     rows = []
     for micro in scale["sweep_micro_batches"]:
         row = run_point(micro)
-        print(f"sweep: micro-batch {micro}: " + (f"peak {row['peak_mib']} MiB" if row["fit"] else f"did not fit ({row['error']})"), flush=True)
+        print(
+            f"sweep: micro-batch {micro}: "
+            + (f"peak {row['peak_mib']} MiB" if row["fit"] else f"did not fit ({row['error']})"),
+            flush=True,
+        )
         rows.append(row)
     fitted = [r for r in rows if r["fit"]]
     fit = planner.fit([r["micro_batch"] for r in fitted], [r["peak_mib"] for r in fitted])
@@ -97,16 +112,26 @@ def main() -> None:
     margin = p["memory"]["safety_margin"]
     auto = planner.smallest_accum(fit, memory_mib * (1 - margin), scale["batch"])
     write_table(POINTS, rows, POINT_COLUMNS)
-    write_json(SWEEP_PLAN, {
-        "device": hw["device"], "scale": hw["scale"], "batch": scale["batch"],
-        "measure": "reserved + CUDA context (what nvidia-smi shows)" if hw["device"] == "cuda" else "peak RSS (host memory)",
-        "fit": fit, "points": rows,
-        "this_machine": {"memory_mib": round(memory_mib), "what": memory_what, "safety_margin": margin},
-        "auto_accum": auto,
-        "cards": planner.card_table(fit, scale["batch"], p["memory"]["cards_gb"], margin),
-    })
-    print(f"sweep: peak = {fit['fixed_mib']:.0f} MiB + {fit['per_sample_mib']:.3f} MiB/sample (r2 {fit['r2']:.3f}); "
-          f"accum auto -> {auto}")
+    write_json(
+        SWEEP_PLAN,
+        {
+            "device": hw["device"],
+            "scale": hw["scale"],
+            "batch": scale["batch"],
+            "measure": "reserved + CUDA context (what nvidia-smi shows)"
+            if hw["device"] == "cuda"
+            else "peak RSS (host memory)",
+            "fit": fit,
+            "points": rows,
+            "this_machine": {"memory_mib": round(memory_mib), "what": memory_what, "safety_margin": margin},
+            "auto_accum": auto,
+            "cards": planner.card_table(fit, scale["batch"], p["memory"]["cards_gb"], margin),
+        },
+    )
+    print(
+        f"sweep: peak = {fit['fixed_mib']:.0f} MiB + {fit['per_sample_mib']:.3f} MiB/sample (r2 {fit['r2']:.3f}); "
+        f"accum auto -> {auto}"
+    )
 
 
 if __name__ == "__main__":

@@ -28,9 +28,17 @@ from stages.models import build_model, count_parameters
 from stages.outputs import atomic_path, read_json, write_json, write_table, write_text
 
 SWEEP_PLAN = Path("reports/sweep/planner.json")
-EPOCH_COLUMNS = ("epoch", "train_loss", "test_loss", "test_accuracy", "optimizer_steps", "skipped_steps",
-                 "images_per_second", "seconds")
-AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "off": None}
+EPOCH_COLUMNS = (
+    "epoch",
+    "train_loss",
+    "test_loss",
+    "test_accuracy",
+    "optimizer_steps",
+    "skipped_steps",
+    "images_per_second",
+    "seconds",
+)
+AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": None}  # float32: no autocast
 
 
 def variant_dir(variant: str) -> Path:
@@ -51,9 +59,16 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
     return (images.float() / 255.0 - 0.5).unsqueeze(1)
 
 
-def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                images: torch.Tensor, labels: torch.Tensor, perm: torch.Tensor,
-                plan: list[list[MicroBatch]], dtype: torch.dtype | None) -> tuple[float, int, int]:
+def train_epoch(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    perm: torch.Tensor,
+    plan: list[list[MicroBatch]],
+    dtype: torch.dtype | None,
+) -> tuple[float, int, int]:
     """One epoch; returns (mean training loss over samples, optimizer steps, steps the scaler skipped)."""
     model.train()
     loss_sum = torch.zeros((), device=images.device)
@@ -74,8 +89,9 @@ def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch: int,
-             dtype: torch.dtype | None) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch: int, dtype: torch.dtype | None
+) -> tuple[float, float]:
     model.eval()
     loss_sum, correct = 0.0, 0
     for start in range(0, len(labels), batch):
@@ -87,8 +103,19 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch
     return loss_sum / len(labels), correct / len(labels)
 
 
-def train(model: nn.Module, data: dict[str, torch.Tensor], *, lr: float, weight_decay: float, batch: int,
-          accum: int, epochs: int, seed: int, dtype: torch.dtype | None, eval_batch: int) -> list[dict[str, Any]]:
+def train(
+    model: nn.Module,
+    data: dict[str, torch.Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    batch: int,
+    accum: int,
+    epochs: int,
+    seed: int,
+    dtype: torch.dtype | None,
+    eval_batch: int,
+) -> list[dict[str, Any]]:
     """The whole run; per epoch: loss, test accuracy, steps and speed (evaluation not timed)."""
     device = data["train_x"].device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -100,16 +127,30 @@ def train(model: nn.Module, data: dict[str, torch.Tensor], *, lr: float, weight_
     for epoch in range(1, epochs + 1):
         perm = torch.randperm(n, generator=shuffle).to(device)
         start = time.perf_counter()
-        train_loss, steps, skipped = train_epoch(model, opt, scaler, data["train_x"], data["train_y"], perm, plan, dtype)
+        train_loss, steps, skipped = train_epoch(
+            model, opt, scaler, data["train_x"], data["train_y"], perm, plan, dtype
+        )
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         test_loss, test_accuracy = evaluate(model, data["test_x"], data["test_y"], eval_batch, dtype)
-        rows.append({"epoch": epoch, "train_loss": train_loss, "test_loss": test_loss,
-                     "test_accuracy": test_accuracy, "optimizer_steps": steps, "skipped_steps": skipped,
-                     "images_per_second": n / seconds, "seconds": seconds})
-        print(f"  epoch {epoch}: train loss {train_loss:.4f}  test acc {test_accuracy:.4f}  "
-              f"{n / seconds:.0f} img/s  {steps} steps ({skipped} skipped)", flush=True)
+        rows.append(
+            {
+                "epoch": epoch,
+                "train_loss": train_loss,
+                "test_loss": test_loss,
+                "test_accuracy": test_accuracy,
+                "optimizer_steps": steps,
+                "skipped_steps": skipped,
+                "images_per_second": n / seconds,
+                "seconds": seconds,
+            }
+        )
+        print(
+            f"  epoch {epoch}: train loss {train_loss:.4f}  test acc {test_accuracy:.4f}  "
+            f"{n / seconds:.0f} img/s  {steps} steps ({skipped} skipped)",
+            flush=True,
+        )
     return rows
 
 
@@ -135,8 +176,12 @@ def plan_check(p: dict[str, Any], device: torch.device, micro: int) -> dict[str,
     budget = p["memory"]["host_budget_gb"] * planner.GIB_MIB
     if predicted <= budget:
         return None
-    return {"reason": f"planner predicts {predicted:.0f} MiB at micro-batch {micro}, over memory.host_budget_gb "
-                      f"({budget:.0f} MiB)", "memory_at_failure_mib": round(predicted), "device_total_mib": round(budget)}
+    return {
+        "reason": f"planner predicts {predicted:.0f} MiB at micro-batch {micro}, over memory.host_budget_gb "
+        f"({budget:.0f} MiB)",
+        "memory_at_failure_mib": round(predicted),
+        "device_total_mib": round(budget),
+    }
 
 
 def main(variant: str) -> None:
@@ -153,8 +198,11 @@ def main(variant: str) -> None:
     dtype = amp_dtype(device, p["train"])
     data = load_data(device, scale["train_samples"], scale["test_samples"])
     model = build_model(**p["model"], norm=v["norm"], seed=p["seed"]).to(device)
-    print(f"train@{variant}: {v['norm']}norm, accum {accum} x micro-batch {micro} = batch {scale['batch']}, "
-          f"lr {v['lr']}, {hw['scale']} scale on {device}, amp {dtype}", flush=True)
+    print(
+        f"train@{variant}: {v['norm']}norm, accum {accum} x micro-batch {micro} = batch {scale['batch']}, "
+        f"lr {v['lr']}, {hw['scale']} scale on {device}, amp {dtype}",
+        flush=True,
+    )
 
     rows: list[dict[str, Any]] = []
     failure = plan_check(p, device, micro)
@@ -163,21 +211,42 @@ def main(variant: str) -> None:
     with MemorySampler(device.type, p["memory"]["interval_ms"]) as sampler:
         if failure is None:
             try:
-                rows = train(model, data, lr=v["lr"], weight_decay=p["train"]["weight_decay"], batch=scale["batch"],
-                             accum=accum, epochs=scale["epochs"], seed=p["seed"], dtype=dtype,
-                             eval_batch=p["train"]["eval_batch"])
+                rows = train(
+                    model,
+                    data,
+                    lr=v["lr"],
+                    weight_decay=p["train"]["weight_decay"],
+                    batch=scale["batch"],
+                    accum=accum,
+                    epochs=scale["epochs"],
+                    seed=p["seed"],
+                    dtype=dtype,
+                    eval_batch=p["train"]["eval_batch"],
+                )
             except torch.OutOfMemoryError as err:  # a result, not a crash: the tutorial's baseline on a small card
                 failure = oom_record(err, device)
     memory = sampler.summary()
     if device.type == "cuda":
-        memory.update(torch_max_allocated_mib=torch.cuda.max_memory_allocated() / 2**20,
-                      torch_max_reserved_mib=torch.cuda.max_memory_reserved() / 2**20)
+        memory.update(
+            torch_max_allocated_mib=torch.cuda.max_memory_allocated() / 2**20,
+            torch_max_reserved_mib=torch.cuda.max_memory_reserved() / 2**20,
+        )
     metrics = {
-        "variant": variant, "norm": v["norm"], "accum": accum, "micro_batch": micro, "batch": scale["batch"],
-        "lr": v["lr"], "scale": hw["scale"], "device": hw["device"], "amp": str(dtype).replace("torch.", "") if dtype else "off",
-        "train_samples": len(data["train_y"]), "test_samples": len(data["test_y"]),
-        "dataset": read_json(PROVENANCE)["kind"], "parameters": count_parameters(model),
-        "fit": failure is None, "did_not_fit": failure,
+        "variant": variant,
+        "norm": v["norm"],
+        "accum": accum,
+        "micro_batch": micro,
+        "batch": scale["batch"],
+        "lr": v["lr"],
+        "scale": hw["scale"],
+        "device": hw["device"],
+        "amp": str(dtype).replace("torch.", "") if dtype else "float32",
+        "train_samples": len(data["train_y"]),
+        "test_samples": len(data["test_y"]),
+        "dataset": read_json(PROVENANCE)["kind"],
+        "parameters": count_parameters(model),
+        "fit": failure is None,
+        "did_not_fit": failure,
         "final_train_loss": rows[-1]["train_loss"] if rows else None,
         "test_accuracy": rows[-1]["test_accuracy"] if rows else None,
         "images_per_second": float(np.median([r["images_per_second"] for r in rows])) if rows else None,
@@ -189,7 +258,9 @@ def main(variant: str) -> None:
     out = variant_dir(variant)
     write_table(out / "epochs.tsv", rows, EPOCH_COLUMNS)
     write_table(out / "memory.csv", sampler.rows, TIMELINE_COLUMNS, delimiter=",")
-    write_text(out / "nvidia-smi.txt", sampler.peak_snapshot or "no nvidia-smi snapshot (CPU run or nvidia-smi missing)\n")
+    write_text(
+        out / "nvidia-smi.txt", sampler.peak_snapshot or "no nvidia-smi snapshot (CPU run or nvidia-smi missing)\n"
+    )
     with atomic_path(weights_path(variant)) as tmp:
         torch.save(model.state_dict() if failure is None else {}, tmp)
     write_json(out / "metrics.json", metrics)
@@ -201,8 +272,11 @@ def oom_record(err: BaseException, device: torch.device) -> dict[str, Any]:
     used = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"reason": f"out of memory: {str(err).splitlines()[0][:300]}",
-            "memory_at_failure_mib": round(used / 2**20), "device_total_mib": round(total / 2**20)}
+    return {
+        "reason": f"out of memory: {str(err).splitlines()[0][:300]}",
+        "memory_at_failure_mib": round(used / 2**20),
+        "device_total_mib": round(total / 2**20),
+    }
 
 
 if __name__ == "__main__":

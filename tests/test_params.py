@@ -1,0 +1,147 @@
+"""Each validation rule stops the run with a message naming the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stages import params
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULTS = yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def with_change(path: str, value: object) -> dict:
+    p = copy.deepcopy(DEFAULTS)
+    *parents, last = path.split(".")
+    node = p
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return p
+
+
+def error_for(p: dict) -> str:
+    with pytest.raises(params.ParamsError) as info:
+        params.check(p)
+    return str(info.value)
+
+
+def test_defaults_are_valid() -> None:
+    assert params.load(ROOT / "params.yaml")["accum"] == DEFAULTS["accum"]
+
+
+@pytest.mark.parametrize("value", [0, -3, 1025])
+def test_accum_out_of_range_names_the_batch(value: int) -> None:
+    msg = error_for(with_change("accum", value))
+    assert f"accum = {value}" in msg
+    assert "from 1 to the effective batch size" in msg
+    assert "scales.cpu.batch = 1024" in msg or value < 1
+
+
+def test_accum_wrong_type() -> None:
+    msg = error_for(with_change("accum", "eight"))
+    assert "accum = 'eight'" in msg and "got a str" in msg
+
+
+def test_accum_auto_and_non_divisor_allowed() -> None:
+    params.check(with_change("accum", "auto"))
+    params.check(with_change("accum", 7))
+
+
+@pytest.mark.parametrize(
+    "key", ["scales.cpu.batch", "scales.study.epochs", "scales.cpu.train_samples", "scales.study.test_samples"]
+)
+@pytest.mark.parametrize("value", [0, -1])
+def test_counts_must_be_positive(key: str, value: int) -> None:
+    msg = error_for(with_change(key, value))
+    assert f"{key} = {value}" in msg and "positive integer" in msg
+
+
+def test_float_where_int_expected_says_the_type() -> None:
+    msg = error_for(with_change("scales.cpu.epochs", 2.5))
+    assert "scales.cpu.epochs = 2.5" in msg and "got a float" in msg
+
+
+def test_bool_is_not_an_int() -> None:
+    msg = error_for(with_change("seed", True))
+    assert "seed = True" in msg and "boolean" in msg
+
+
+@pytest.mark.parametrize("value", [0, -1e-3])
+def test_learning_rate_positive(value: float) -> None:
+    msg = error_for(with_change("variants.baseline.lr", value))
+    assert "variants.baseline.lr" in msg and "positive number" in msg
+
+
+def test_learning_rate_string_says_type() -> None:
+    msg = error_for(with_change("variants.accumulation.lr", "3e-4"))  # YAML reads 3e-4 without a dot as a string
+    assert "variants.accumulation.lr = '3e-4'" in msg and "got a str" in msg
+
+
+def test_unknown_model_lists_close_matches() -> None:
+    msg = error_for(with_change("model.name", "efficientnet_b9"))
+    assert "model.name = 'efficientnet_b9'" in msg
+    assert "close matches:" in msg and "efficientnet_b" in msg.split("close matches:")[1]
+
+
+def test_unknown_key_names_the_nearest() -> None:
+    p = copy.deepcopy(DEFAULTS)
+    p["acum"] = 8
+    msg = error_for(p)
+    assert "unknown key 'acum'" in msg and "did you mean 'accum'" in msg
+
+
+def test_unknown_nested_key_names_the_nearest() -> None:
+    p = with_change("scales.cpu.epoch", 3)
+    msg = error_for(p)
+    assert "unknown key 'scales.cpu.epoch'" in msg and "did you mean 'scales.cpu.epochs'" in msg
+
+
+def test_missing_key() -> None:
+    p = copy.deepcopy(DEFAULTS)
+    del p["seed"]
+    assert "missing key 'seed'" in error_for(p)
+
+
+def test_choice_lists_allowed_values() -> None:
+    msg = error_for(with_change("data.dataset", "cifar10"))
+    assert "data.dataset = 'cifar10'" in msg and "mnist, fashion_mnist" in msg
+
+
+def test_variant_norm_and_extra() -> None:
+    assert "expected one of batch, group" in error_for(with_change("variants.baseline.norm", "layer"))
+    msg = error_for(with_change("variants.accumulation.extra", "seed"))
+    assert "variants.accumulation.extra = 'seed'" in msg and "extra: accum" in msg
+
+
+def test_variant_fixed_accum_over_batch() -> None:
+    msg = error_for(with_change("variants.baseline.accum", 5000))
+    assert "variants.baseline.accum = 5000" in msg and "scales.cpu.batch = 1024" in msg
+
+
+def test_yaml_syntax_error_names_file(tmp_path: Path) -> None:
+    bad = tmp_path / "params.yaml"
+    bad.write_text("accum: [4\n")
+    with pytest.raises(params.ParamsError, match="params.yaml: not valid YAML"):
+        params.load(bad)
+
+
+def test_scale_resolution() -> None:
+    assert params.resolve_scale(DEFAULTS, cuda=False) == "cpu"
+    assert params.resolve_scale(DEFAULTS, cuda=True) == "study"
+    with pytest.raises(params.ParamsError, match="scale = 'study'.*needs a CUDA GPU"):
+        params.resolve_scale(with_change("scale", "study"), cuda=False)
+
+
+def test_variant_accum_follows_top_level_key() -> None:
+    p = with_change("accum", 8)
+    assert params.variant_accum_steps(p, "accumulation") == 8
+    assert params.variant_accum_steps(p, "baseline") == 1
+    auto = with_change("accum", "auto")
+    assert params.variant_accum_steps(auto, "accumulation", resolved_accum=3) == 3
+    with pytest.raises(params.ParamsError, match="accum = 'auto' needs the memory planner"):
+        params.variant_accum_steps(auto, "accumulation")
