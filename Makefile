@@ -4,8 +4,10 @@
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
+# Stage commands call `python`: the venv's, whether or not it is activated.
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: repro test test-fast lint bench gpu-check clean-venv
+.PHONY: repro test test-fast bench clean-venv
 
 $(BIN)/.installed: requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +26,6 @@ test-fast: $(BIN)/.installed
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.run
-
-gpu-check: $(BIN)/.installed
-	PYTHON=$(BIN)/python bash scripts/gpu_check.sh
 
 clean-venv:
 	rm -rf $(VENV)

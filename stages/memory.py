@@ -15,35 +15,48 @@ import subprocess
 import threading
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import psutil
 
 MIB = 2**20
-GPU_QUERY = ["--query-gpu=index,memory.used,memory.total,utilization.gpu", "--format=csv,nounits"]
-APPS_QUERY = ["--query-compute-apps=pid,used_memory", "--format=csv,nounits"]
-MISSING = {"[N/A]", "[Not Supported]", "N/A", "[Unknown Error]", ""}
+GPU_FIELDS = ("index", "memory.used", "memory.total", "utilization.gpu")
+APP_FIELDS = ("pid", "used_memory")  # nvidia-smi heads this column "used_gpu_memory [MiB]"
+MISSING = {"[N/A]", "[Not Supported]", "N/A", "[Unknown Error]", "[Insufficient Permissions]", ""}
 TIMELINE_COLUMNS = ("seconds", "process_mib", "gpu_used_mib", "gpu_total_mib", "gpu_util_pct", "rss_mib", "source")
 
 
-def parse_csv(text: str) -> list[dict[str, float | None]]:
-    """Rows of `nvidia-smi --query-...  --format=csv,nounits` keyed by field name (units dropped).
+def query(fields: tuple[str, ...], kind: str = "gpu") -> list[str]:
+    return [f"--query-{kind}={','.join(fields)}", "--format=csv,nounits"]
 
-    `[N/A]` and `[Not Supported]` become None; a header with no rows (no process) gives [].
+
+def parse_csv(text: str, fields: tuple[str, ...]) -> list[dict[str, float | None]]:
+    """Rows of `nvidia-smi --query-... --format=csv[,nounits][,noheader]`, keyed by the fields asked for.
+
+    Keyed by position, because nvidia-smi's header names differ from the query names. Units
+    ("7242 MiB", "97 %") are dropped; `[N/A]` and `[Not Supported]` become None; a header and
+    no rows (no process on the GPU) gives [].
     """
-    lines = [line for line in text.splitlines() if line.strip()]
-    if not lines:
-        return []
-    reader = csv.reader(io.StringIO("\n".join(lines)), skipinitialspace=True)
-    header = [name.split(" [")[0].strip() for name in next(reader)]
     rows = []
-    for fields in reader:
-        row: dict[str, float | None] = {}
-        for name, raw in zip(header, fields, strict=False):
-            value = raw.strip()
-            row[name] = None if value in MISSING else float(value.split()[0])
-        rows.append(row)
+    for fields_text in csv.reader(io.StringIO(text), skipinitialspace=True):
+        values = [v.strip() for v in fields_text]
+        if not any(values):
+            continue
+        if not rows and not _is_value(values[0]):
+            continue  # the header line
+        if len(values) != len(fields):
+            raise ValueError(f"nvidia-smi row {values} does not have the {len(fields)} fields {fields}")
+        rows.append({f: None if v in MISSING else float(v.split()[0]) for f, v in zip(fields, values, strict=True)})
     return rows
+
+
+def _is_value(text: str) -> bool:
+    try:
+        float(text.split()[0])
+    except (ValueError, IndexError):
+        return text in MISSING
+    return True
 
 
 def run_nvidia_smi(args: list[str], timeout: float = 10.0) -> str:
@@ -51,8 +64,18 @@ def run_nvidia_smi(args: list[str], timeout: float = 10.0) -> str:
 
 
 def peak_rss_mib() -> float:
-    """The kernel's own high-water mark for this process (ru_maxrss is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """The kernel's high-water mark of this process's resident memory (VmHWM).
+
+    Not getrusage's ru_maxrss: Linux carries that over fork and exec, so a process started by a
+    big parent (DVC, a benchmark) would report the parent's peak as its own.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux, the fallback elsewhere
 
 
 class MemorySampler:
@@ -107,29 +130,33 @@ class MemorySampler:
         row["rss_mib"] = round(self._process.memory_info().rss / MIB, 1)
         if not self.nvidia_smi:
             row["source"] = "rss"
-            self._note_peak(row["rss_mib"], snapshot=False)
             return row
-        gpus = [g for g in parse_csv(run_nvidia_smi(GPU_QUERY)) if g.get("index") == self.gpu_index]
+        gpus = [g for g in parse_csv(run_nvidia_smi(query(GPU_FIELDS)), GPU_FIELDS) if g["index"] == self.gpu_index]
         gpu = gpus[0] if gpus else {}
         row.update(
             gpu_used_mib=gpu.get("memory.used"),
             gpu_total_mib=gpu.get("memory.total"),
             gpu_util_pct=gpu.get("utilization.gpu"),
         )
-        mine = [a for a in parse_csv(run_nvidia_smi(APPS_QUERY)) if a.get("pid") == os.getpid()]
+        apps = parse_csv(run_nvidia_smi(query(APP_FIELDS, "compute-apps")), APP_FIELDS)
+        mine = [a for a in apps if a["pid"] == os.getpid()]
         if mine and mine[0].get("used_memory") is not None:
             row["process_mib"], row["source"] = mine[0]["used_memory"], "process"
         else:
             row["process_mib"], row["source"] = row["gpu_used_mib"], "gpu"  # PID namespace or no per-process figure
         if row["process_mib"] is not None:
-            self._note_peak(row["process_mib"], snapshot=True)
+            self._snapshot_if_peak(row["process_mib"])
         return row
 
-    def _note_peak(self, value: float, snapshot: bool) -> None:
-        if value > self._peak:
-            self._peak = value
-            if snapshot:
-                self.peak_snapshot = run_nvidia_smi([])
+    def _snapshot_if_peak(self, used_mib: float) -> None:
+        """A plain `nvidia-smi` at the peak, retaken only when the peak grows by 1% or more.
+
+        A full snapshot costs several queries; taking one at every small rise during the ramp-up
+        would slow the sampling exactly when memory changes fastest.
+        """
+        if used_mib >= self._peak * 1.01 or self.peak_snapshot is None:
+            self._peak = max(self._peak, used_mib)
+            self.peak_snapshot = run_nvidia_smi([])
 
     def summary(self) -> dict[str, Any]:
         """Peak figures for the metrics file; on the CPU the kernel's high-water mark beats sampling."""

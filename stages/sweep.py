@@ -74,8 +74,8 @@ def measure_point(p: dict[str, Any], device: torch.device, micro: int) -> dict[s
     return row
 
 
-def run_point(micro: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "stages.sweep", "--point", str(micro)]
+def run_point(micro: int, device: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "stages.sweep", "--point", str(micro), "--device", device]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)  # a killed point is a result
     if proc.returncode == 0:
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -99,7 +99,7 @@ def main() -> None:
     scale = p["scales"][hw["scale"]]
     rows = []
     for micro in scale["sweep_micro_batches"]:
-        row = run_point(micro)
+        row = run_point(micro, hw["device"])
         print(
             f"sweep: micro-batch {micro}: "
             + (f"peak {row['peak_mib']} MiB" if row["fit"] else f"did not fit ({row['error']})"),
@@ -137,11 +137,11 @@ def main() -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--point", type=int, help="measure one micro-batch size and print its JSON")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="with --point")
     args = parser.parse_args()
     try:
         if args.point:
-            hw = read_json(HARDWARE)
-            print(json.dumps(measure_point(params.load(), torch.device(hw["device"]), args.point)))
+            print(json.dumps(measure_point(params.load(), torch.device(args.device), args.point)))
         else:
             main()
     except (params.ParamsError, ValueError) as err:

@@ -200,7 +200,7 @@ def main(variant: str) -> None:
     model = build_model(**p["model"], norm=v["norm"], seed=p["seed"]).to(device)
     print(
         f"train@{variant}: {v['norm']}norm, accum {accum} x micro-batch {micro} = batch {scale['batch']}, "
-        f"lr {v['lr']}, {hw['scale']} scale on {device}, amp {dtype}",
+        f"lr {v['lr']}, {hw['scale']} scale on {device}, {p['train']['amp_' + device.type]}",
         flush=True,
     )
 
@@ -221,7 +221,7 @@ def main(variant: str) -> None:
                     epochs=scale["epochs"],
                     seed=p["seed"],
                     dtype=dtype,
-                    eval_batch=p["train"]["eval_batch"],
+                    eval_batch=min(p["train"]["eval_batch"], micro),  # what fits for training fits here
                 )
             except torch.OutOfMemoryError as err:  # a result, not a crash: the tutorial's baseline on a small card
                 failure = oom_record(err, device)
@@ -235,6 +235,7 @@ def main(variant: str) -> None:
         "variant": variant,
         "norm": v["norm"],
         "accum": accum,
+        "accum_setting": v["accum"] if v["accum"] != "accum" else p["accum"],  # "auto" resolved into accum
         "micro_batch": micro,
         "batch": scale["batch"],
         "lr": v["lr"],

@@ -145,3 +145,12 @@ def test_variant_accum_follows_top_level_key() -> None:
     assert params.variant_accum_steps(auto, "accumulation", resolved_accum=3) == 3
     with pytest.raises(params.ParamsError, match="accum = 'auto' needs the memory planner"):
         params.variant_accum_steps(auto, "accumulation")
+
+
+def test_set_values_like_dvc_exp_run() -> None:
+    p = params.set_values(copy.deepcopy(DEFAULTS), ["accum=8", "scales.cpu.sweep_micro_batches=[8, 16]"])
+    assert p["accum"] == 8 and p["scales"]["cpu"]["sweep_micro_batches"] == [8, 16]
+    with pytest.raises(params.ParamsError, match="'scales.cpu.epoch': unknown key; did you mean 'scales.cpu.epochs'"):
+        params.set_values(copy.deepcopy(DEFAULTS), ["scales.cpu.epoch=2"])
+    with pytest.raises(params.ParamsError, match="expected KEY=VALUE"):
+        params.set_values(copy.deepcopy(DEFAULTS), ["accum"])

@@ -1,0 +1,285 @@
+"""Benchmarks, each comparison measured side by side in one run (ratios of medians over repeats).
+
+    make bench        # or: python -m benchmarks.run [--repeats 3] [--out benchmarks/results/NAME.json]
+
+1. this project's loop (data on the device, whole-batch normalize) against the tutorial's loop
+   (torchvision MNIST + ToTensor + Normalize through a DataLoader with workers): images/s;
+2. the cost of accumulation: accum 1 against 4 and 8 at one effective batch (GroupNorm in all);
+3. the memory sampler's overhead: training with it against without;
+4. peak memory against micro-batch, measured, beside the planner's prediction from a separate fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from stages import mnist, params, planner
+from stages.accumulation import micro_batch_size, windows
+from stages.hardware import cpu_name
+from stages.memory import MemorySampler
+from stages.models import build_model
+from stages.outputs import write_json
+from stages.sweep import run_point
+from stages.train import amp_dtype, train_epoch
+
+SIZES = {  # per device: images per timed run, micro-batch, effective batch, sweep sizes (fit / check)
+    "cpu": {"images": 512, "micro": 128, "batch": 512, "fit": [64, 256, 512], "check": [128, 384]},
+    "cuda": {"images": 65536, "micro": 8192, "batch": 32768, "fit": [1024, 4096, 8192], "check": [2048, 6144]},
+}
+
+
+def median_time(fn: Callable[[], None], repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def write_idx(folder: Path, arrays: dict[str, Any]) -> None:
+    """The fallback digits as IDX files, where torchvision's MNIST class looks for them (no download)."""
+    raw = folder / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for split, prefix in (("train", "train"), ("test", "t10k")):
+        for kind, magic, key in (("images-idx3", 0x803, "x"), ("labels-idx1", 0x801, "y")):
+            data = arrays[f"{split}_{key}"]
+            header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in data.shape)
+            (raw / f"{prefix}-{kind}-ubyte").write_bytes(header + data.tobytes())
+            with gzip.open(raw / f"{prefix}-{kind}-ubyte.gz", "wb") as f:
+                f.write(header + data.tobytes())
+
+
+def tutorial_loop(model, opt, scaler, loader, accum: int, device: torch.device, dtype) -> None:
+    """The tutorial's loop as published: loss / accum, step when (i + 1) % accum == 0."""
+    model.train()
+    for i, (x, y) in enumerate(loader):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(model(x), y) / accum
+        scaler.scale(loss).backward()
+        if (i + 1) % accum == 0:
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+
+
+def on_device(arrays: dict[str, Any], n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first n training images and labels on the device, as the train stage holds them."""
+    return torch.from_numpy(arrays["train_x"][:n]).to(device), torch.from_numpy(arrays["train_y"][:n]).long().to(device)
+
+
+def setup(p: dict[str, Any], device: torch.device, norm: str = "group"):
+    model = build_model(**p["model"], norm=norm, seed=p["seed"]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    dtype = amp_dtype(device, p["train"])
+    return model, opt, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16), dtype
+
+
+def bench_loops(p, device, s, arrays, repeats: int) -> dict[str, Any]:
+    from torch.utils.data import DataLoader, Subset
+    from torchvision import datasets, transforms
+
+    n, micro = s["images"], s["micro"]
+    accum = s["batch"] // micro
+    images, labels = on_device(arrays, n, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_idx(Path(tmp), arrays)
+        tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,), (1.0,))])
+        dataset = Subset(datasets.MNIST(tmp, train=True, download=False, transform=tf), range(n))
+        loader = DataLoader(
+            dataset,
+            batch_size=micro,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            pin_memory=device.type == "cuda",
+        )
+        model, opt, scaler, dtype = setup(p, device, norm="batch")
+        plan = windows(n, micro, accum)
+        ours_fn = lambda: train_epoch(model, opt, scaler, images, labels, torch.randperm(n, device=device), plan, dtype)  # noqa: E731
+        theirs_fn = lambda: tutorial_loop(model, opt, scaler, loader, accum, device, dtype)  # noqa: E731
+        ours_fn(), theirs_fn()  # warm-up: workers started, kernels chosen
+        ours, theirs = [], []
+        for _ in range(repeats):  # interleaved, so drift on a noisy machine hits both alike
+            ours += median_time(ours_fn, 1)
+            theirs += median_time(theirs_fn, 1)
+    o, t = n / statistics.median(ours), n / statistics.median(theirs)
+    return {
+        "images": n,
+        "micro_batch": micro,
+        "accum": accum,
+        "ours_images_per_s": o,
+        "tutorial_images_per_s": t,
+        "ratio": o / t,
+    }
+
+
+def bench_accum(p, device, s, arrays, repeats: int) -> dict[str, Any]:
+    n, batch = s["images"], s["batch"]
+    images, labels = on_device(arrays, n, device)
+    model, opt, scaler, dtype = setup(p, device)
+    fns = {
+        a: (
+            lambda a=a: train_epoch(
+                model,
+                opt,
+                scaler,
+                images,
+                labels,
+                torch.arange(n, device=device),
+                windows(n, micro_batch_size(batch, a), a),
+                dtype,
+            )
+        )
+        for a in (1, 4, 8)
+    }
+    for fn in fns.values():
+        fn()
+    times: dict[int, list[float]] = {a: [] for a in fns}
+    for _ in range(repeats):
+        for a, fn in fns.items():
+            times[a] += median_time(fn, 1)
+    speed = {a: n / statistics.median(t) for a, t in times.items()}
+    return {
+        "images": n,
+        "batch": batch,
+        **{f"accum_{a}_images_per_s": v for a, v in speed.items()},
+        "accum_4_over_1": speed[4] / speed[1],
+        "accum_8_over_1": speed[8] / speed[1],
+    }
+
+
+def bench_sampler(p, device, s, arrays, repeats: int) -> dict[str, Any]:
+    n, micro = s["images"], s["micro"]
+    images, labels = on_device(arrays, n, device)
+    model, opt, scaler, dtype = setup(p, device)
+    plan = windows(n, micro, 1)
+
+    def plain() -> None:
+        train_epoch(model, opt, scaler, images, labels, torch.arange(n, device=device), plan, dtype)
+
+    def sampled() -> None:
+        with MemorySampler(device.type, p["memory"]["interval_ms"]):
+            plain()
+
+    plain()
+    without, with_ = [], []
+    for _ in range(max(5, 3 * repeats)):  # a sub-1% effect needs more repeats than the others
+        without += median_time(plain, 1)
+        with_ += median_time(sampled, 1)
+    a, b = statistics.median(without), statistics.median(with_)
+    probe = MemorySampler(device.type, p["memory"]["interval_ms"])
+    start = time.perf_counter()
+    for _ in range(50):
+        probe.sample()
+    per_sample = (time.perf_counter() - start) / 50  # the sampler's own cost, free of training noise
+    return {
+        "images": n,
+        "interval_ms": p["memory"]["interval_ms"],
+        "repeats": len(without),
+        "seconds_without": a,
+        "seconds_with": b,
+        "overhead": b / a - 1,
+        "sample_seconds": per_sample,
+        "duty_cycle": per_sample / (p["memory"]["interval_ms"] / 1000),
+        "overhead_target": 0.01,
+    }
+
+
+def bench_planner(device: torch.device, s) -> dict[str, Any]:
+    fit_points = [run_point(m, device.type) for m in s["fit"]]
+    fit = planner.fit([r["micro_batch"] for r in fit_points], [r["peak_mib"] for r in fit_points])
+    rows = []
+    for micro in s["check"]:
+        measured = run_point(micro, device.type)["peak_mib"]
+        predicted = planner.predict_mib(fit, micro)
+        rows.append(
+            {
+                "micro_batch": micro,
+                "measured_mib": measured,
+                "predicted_mib": predicted,
+                "predicted_over_measured": predicted / measured,
+            }
+        )
+    return {"fit_on": s["fit"], "fit": fit, "checks": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="side-by-side benchmarks; prints a table, writes JSON")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/latest.json"))
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be 1 or more, got {args.repeats}")
+    p = params.load()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    s = SIZES[device.type]
+    arrays, _ = mnist.fallback_sample()  # real digits, offline; speed does not depend on which
+    if len(arrays["train_y"]) < s["images"]:
+        reps = -(-s["images"] // len(arrays["train_y"]))
+        arrays = {k: v.repeat(reps, axis=0) if k.startswith("train") else v for k, v in arrays.items()}
+    machine = (
+        torch.cuda.get_device_name(0) if device.type == "cuda" else f"{cpu_name()}, {torch.get_num_threads()} threads"
+    )
+    print(f"benchmarks on {machine} ({device.type}), model {p['model']['name']}, median of {args.repeats}", flush=True)
+    results = {
+        "machine": machine,
+        "device": device.type,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "repeats": args.repeats,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    results["loop_vs_tutorial"] = r = bench_loops(p, device, s, arrays, args.repeats)
+    print(
+        f"1. loop, {r['images']} images, micro-batch {r['micro_batch']} x {r['accum']}: this project "
+        f"{r['ours_images_per_s']:.1f} img/s, tutorial's DataLoader loop {r['tutorial_images_per_s']:.1f} img/s, "
+        f"ratio {r['ratio']:.2f}",
+        flush=True,
+    )
+    results["accumulation_cost"] = r = bench_accum(p, device, s, arrays, args.repeats)
+    print(
+        f"2. accumulation at batch {r['batch']}: accum 1 {r['accum_1_images_per_s']:.1f}, accum 4 "
+        f"{r['accum_4_images_per_s']:.1f}, accum 8 {r['accum_8_images_per_s']:.1f} img/s; 4/1 "
+        f"{r['accum_4_over_1']:.2f}, 8/1 {r['accum_8_over_1']:.2f}",
+        flush=True,
+    )
+    results["sampler_overhead"] = r = bench_sampler(p, device, s, arrays, args.repeats)
+    print(
+        f"3. memory sampler every {r['interval_ms']} ms, median of {r['repeats']}: {r['seconds_without']:.3f} s "
+        f"without, {r['seconds_with']:.3f} s with: overhead {r['overhead']:+.2%} (target under 1%); one sample "
+        f"costs {r['sample_seconds'] * 1000:.3f} ms = {r['duty_cycle']:.3%} of the interval",
+        flush=True,
+    )
+    results["planner"] = r = bench_planner(device, s)
+    print(
+        f"4. planner fit on {r['fit_on']}: {r['fit']['fixed_mib']:.0f} MiB + {r['fit']['per_sample_mib']:.3f} "
+        f"MiB/sample",
+        flush=True,
+    )
+    for c in r["checks"]:
+        print(
+            f"   micro-batch {c['micro_batch']}: measured {c['measured_mib']:.0f} MiB, predicted "
+            f"{c['predicted_mib']:.0f} MiB, predicted/measured {c['predicted_over_measured']:.3f}",
+            flush=True,
+        )
+    write_json(args.out, results)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

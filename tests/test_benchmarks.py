@@ -1,0 +1,37 @@
+"""The benchmark's stand-in for the tutorial's data path reads back the same digits through torchvision."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from torchvision import datasets, transforms
+
+from benchmarks.run import tutorial_loop, write_idx
+from stages.train import normalize
+
+
+def test_torchvision_mnist_reads_the_written_idx_files(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    arrays = {
+        "train_x": rng.integers(0, 256, (20, 28, 28), dtype=np.uint8),
+        "train_y": np.arange(20, dtype=np.uint8) % 10,
+        "test_x": rng.integers(0, 256, (5, 28, 28), dtype=np.uint8),
+        "test_y": np.arange(5, dtype=np.uint8),
+    }
+    write_idx(tmp_path, arrays)
+    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,), (1.0,))])
+    ds = datasets.MNIST(str(tmp_path), train=True, download=False, transform=tf)
+    x, y = ds[3]
+    assert len(ds) == 20 and y == 3
+    assert torch.allclose(x, normalize(torch.from_numpy(arrays["train_x"][3:4]))[0], atol=1e-6)  # same inputs
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+    before = model[1].weight.clone()
+    opt = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    tutorial_loop(model, opt, scaler, DataLoader(ds, batch_size=5), 2, torch.device("cpu"), None)
+    assert not torch.equal(before, model[1].weight)

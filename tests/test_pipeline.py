@@ -1,0 +1,122 @@
+"""End to end, as a newcomer runs it: `dvc repro` on a fresh copy, then `dvc exp run -S accum=2`.
+
+Tiny scale (96 images, batch 32, one epoch) and no network (the mirrors point at a closed port,
+so the data stage takes the fallback sample). Minutes, so marked slow; `make test` runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def tiny_params() -> str:
+    p = yaml.safe_load((ROOT / "params.yaml").read_text())
+    p["scale"] = "cpu"
+    p["scales"]["cpu"].update(train_samples=96, test_samples=64, batch=32, epochs=1, sweep_micro_batches=[8, 16])
+    p["memory"].update(sweep_steps=1, interval_ms=100)
+    return yaml.safe_dump(p, sort_keys=False)
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False, timeout=900)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{out[-4000:]}"
+    return out
+
+
+def ran(output: str) -> set[str]:
+    return set(re.findall(r"Running stage '([^']+)'", output))
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    repo = tmp_path_factory.mktemp("clone")
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in files:
+        if (ROOT / name).is_file() and not name.startswith("reports/reference/"):
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, repo / name)
+    (repo / "params.yaml").write_text(tiny_params())
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "MNIST_MIRRORS": "http://127.0.0.1:9/",
+        "DVC_NO_ANALYTICS": "1",
+        "GIT_AUTHOR_NAME": "test",
+        "GIT_AUTHOR_EMAIL": "test@localhost",
+        "GIT_COMMITTER_NAME": "test",
+        "GIT_COMMITTER_EMAIL": "test@localhost",
+    }
+    run(["git", "init", "-q", "-b", "main"], repo, env)
+    run(["git", "add", "-A"], repo, env)
+    run(["git", "commit", "-qm", "fresh clone"], repo, env)
+    return repo, env
+
+
+@pytest.fixture(scope="module")
+def repro(repo: tuple[Path, dict[str, str]]) -> str:
+    path, env = repo
+    return run(["dvc", "repro"], path, env)
+
+
+def test_repro_runs_every_stage_and_renders_the_report(repo, repro: str) -> None:
+    path, _ = repo
+    variants = yaml.safe_load((path / "params.yaml").read_text())["variants"]
+    assert ran(repro) == {"hardware", "download", "sweep", "gradcheck", "report"} | {f"train@{v}" for v in variants}
+    assert "Falling back to the 5,000-digit MNIST SAMPLE" in repro
+    for v in variants:
+        m = json.loads((path / f"reports/variants/{v}/metrics.json").read_text())
+        assert m["fit"] and m["scale"] == "cpu" and m["device"] == "cpu" and m["dataset"] == "fallback"
+        assert m["memory"]["rss_peak_mib"] > 100 and m["optimizer_steps"] == 3  # 96 images / 32 per step
+    state = torch.load(path / "data/models/accumulation.pt", weights_only=True)
+    assert "conv_stem.weight" in state and state["conv_stem.weight"].shape[1] == 1
+    html = (path / "reports/report.html").read_text()
+    assert html.count("data:image/png;base64,") == 6 and "http" not in html.split("<body>")[1].split("data:")[0]
+    assert (path / "reports/figures/train_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_second_repro_reruns_only_the_hardware_check(repo, repro: str) -> None:
+    path, env = repo
+    assert ran(run(["dvc", "repro"], path, env)) == {"hardware"}
+
+
+def test_exp_run_reruns_only_the_variants_that_follow_accum(repo, repro: str) -> None:
+    path, env = repo
+    out = run(["dvc", "exp", "run", "-S", "accum=2"], path, env)
+    assert ran(out) == {"hardware", "train@accumulation", "train@accum_batchnorm", "report"}
+    m = json.loads((path / "reports/variants/accumulation/metrics.json").read_text())
+    assert m["accum"] == 2 and m["micro_batch"] == 16
+    table = json.loads(run(["dvc", "exp", "show", "--json"], path, env))
+    assert "final_train_loss" in json.dumps(table) and "rss_peak_mib" in json.dumps(table)
+
+
+def test_bad_param_stops_before_any_work(repo, repro: str) -> None:
+    path, env = repo
+    result = subprocess.run(
+        ["dvc", "exp", "run", "-S", "accum=0"],
+        cwd=path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "accum = 0 is not allowed; expected an integer from 1 to the effective batch size" in (
+        result.stdout + result.stderr
+    )

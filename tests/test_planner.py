@@ -1,0 +1,53 @@
+"""The planner on synthetic points: the fit, the card table, and accum: auto."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from stages import planner
+
+MODEL = {"fixed_mib": 1000.0, "per_sample_mib": 3.5}
+
+
+def test_fit_recovers_a_line() -> None:
+    micro = [256, 512, 1024, 2048, 4096]
+    fit = planner.fit(micro, [1000 + 3.5 * m for m in micro])
+    assert fit["fixed_mib"] == pytest.approx(1000) and fit["per_sample_mib"] == pytest.approx(3.5)
+    assert fit["r2"] == pytest.approx(1.0)
+
+
+def test_fit_with_noise_reports_r2() -> None:
+    fit = planner.fit([1, 2, 3, 4], [10, 13, 15, 19])
+    assert 0.9 < fit["r2"] < 1.0 and fit["per_sample_mib"] == pytest.approx(2.9)
+
+
+def test_fit_needs_two_sizes() -> None:
+    with pytest.raises(ValueError, match="two or more distinct micro-batch sizes"):
+        planner.fit([512, 512], [1.0, 2.0])
+
+
+def test_largest_micro_batch_and_smallest_accum() -> None:
+    budget = 1000 + 3.5 * 8192  # exactly 8192 samples fit
+    assert planner.largest_micro_batch(MODEL, budget, 32768) == 8192
+    assert planner.smallest_accum(MODEL, budget, 32768) == 4
+    assert planner.largest_micro_batch(MODEL, 1e9, 32768) == 32768  # never more than the batch
+    assert planner.smallest_accum(MODEL, 1e9, 32768) == 1
+    assert planner.smallest_accum(MODEL, 900, 32768) is None  # the fixed part alone does not fit
+
+
+def test_smallest_accum_accounts_for_ceil() -> None:
+    model = {"fixed_mib": 0.0, "per_sample_mib": 1.0}
+    accum = planner.smallest_accum(model, 3, 10)  # at most 3 per micro-batch: ceil(10/4) = 3 fits, accum 4
+    assert accum == 4 and math.ceil(10 / accum) <= 3
+
+
+def test_card_table() -> None:
+    rows = planner.card_table(MODEL, 32768, [8, 141], margin=0.1)  # 1000 + 3.5 x 32768 fits in 141 GB
+    small, big = rows
+    assert small["usable_mib"] == round(8 * 1024 * 0.9)
+    assert small["largest_micro_batch"] == math.floor((8 * 1024 * 0.9 - 1000) / 3.5)
+    assert small["micro_batch"] <= small["largest_micro_batch"]
+    assert small["predicted_peak_mib"] <= small["usable_mib"]
+    assert big["smallest_accum"] == 1 and big["micro_batch"] == 32768

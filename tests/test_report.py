@@ -1,0 +1,264 @@
+"""The report rendered from fixture outputs: a CPU run and a GPU study run, each with a did-not-fit variant.
+
+Numbers in the tables are parsed back and compared with the metrics files they came from.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from PIL import Image
+
+from stages import report
+from stages.memory import TIMELINE_COLUMNS
+from stages.outputs import write_json, write_table
+from stages.train import EPOCH_COLUMNS
+
+VARIANTS = {
+    "baseline": ("batch", 1, 1e-3),
+    "accumulation": ("group", 4, 3e-4),
+    "groupnorm": ("group", 1, 3e-4),
+    "accum_batchnorm": ("batch", 4, 1e-3),
+}
+FIGURES = (
+    "train_loss.png",
+    "test_accuracy.png",
+    "memory_timeline.png",
+    "peak_memory.png",
+    "throughput.png",
+    "sweep.png",
+)
+
+
+def variant_outputs(root: Path, name: str, device: str, batch: int, fit: bool, peak: float) -> dict[str, Any]:
+    norm, accum, lr = VARIANTS[name]
+    epochs = [
+        {
+            "epoch": e,
+            "train_loss": 2.5 - 0.3 * e - (0.01 if norm == "group" else 0),
+            "test_loss": 2.4 - 0.25 * e,
+            "test_accuracy": 0.3 + 0.1 * e,
+            "optimizer_steps": 2,
+            "skipped_steps": 0,
+            "images_per_second": 1000.0 / accum + e,
+            "seconds": 3.0,
+        }
+        for e in (1, 2, 3)
+    ]
+    epochs = epochs if fit else []
+    cuda = device == "cuda"
+    memory = {"samples": 10, "interval_ms": 200, "rss_peak_mib": 2000.0 + peak / 100, "sampled_rss_peak_mib": 1990.0}
+    if cuda:
+        memory.update(
+            nvidia_smi_peak_mib=peak,
+            nvidia_smi_source="process",
+            gpu_total_mib=143771.0,
+            torch_max_allocated_mib=peak * 0.8,
+            torch_max_reserved_mib=peak * 0.9,
+        )
+    else:
+        memory["rss_peak_mib"] = peak
+    metrics = {
+        "variant": name,
+        "norm": norm,
+        "accum": accum,
+        "micro_batch": -(-batch // accum),
+        "batch": batch,
+        "lr": lr,
+        "scale": "study" if cuda else "cpu",
+        "device": device,
+        "amp": "float16" if cuda else "float32",
+        "train_samples": 60000 if cuda else 4000,
+        "test_samples": 10000 if cuda else 1000,
+        "dataset": "mirror",
+        "parameters": 4019782,
+        "fit": fit,
+        "did_not_fit": None
+        if fit
+        else {
+            "reason": "out of memory: CUDA out of memory. Tried to allocate 9.00 GiB",
+            "memory_at_failure_mib": round(peak),
+            "device_total_mib": 24564,
+        },
+        "final_train_loss": epochs[-1]["train_loss"] if fit else None,
+        "test_accuracy": epochs[-1]["test_accuracy"] if fit else None,
+        "images_per_second": epochs[1]["images_per_second"] if fit else None,
+        "optimizer_steps": 6 if fit else 0,
+        "skipped_steps": 0,
+        "train_seconds": 9.0 if fit else 0,
+        "memory": memory,
+    }
+    out = root / "reports/variants" / name
+    write_table(out / "epochs.tsv", epochs, EPOCH_COLUMNS)
+    col = "process_mib" if cuda else "rss_mib"
+    timeline = [
+        dict(
+            dict.fromkeys(TIMELINE_COLUMNS),
+            seconds=t * 0.2,
+            **{col: peak * min(1, t / 5)},
+            source="process" if cuda else "rss",
+        )
+        for t in range(10)
+    ]
+    write_table(out / "memory.csv", timeline, TIMELINE_COLUMNS, delimiter=",")
+    write_json(out / "metrics.json", metrics)
+    return metrics
+
+
+def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
+    p = yaml.safe_load((root / "params.yaml").read_text())
+    batch = 32768 if device == "cuda" else 1024
+    hw = {
+        "device": device,
+        "scale": "study" if device == "cuda" else "cpu",
+        "cpu": {"name": "Test CPU", "cores": 2, "torch_threads": 2},
+        "torch": "2.14.1",
+    }
+    if device == "cuda":
+        hw["gpu"] = {
+            "name": "NVIDIA Test GPU",
+            "memory_total_mib": 24564,
+            "capability": "8.9",
+            "cuda": "13.0",
+            "driver": "580.00",
+            "count": 1,
+        }
+    write_json(root / "data/hardware.json", hw)
+    write_json(
+        root / "data/provenance.json",
+        {
+            "dataset": "mnist",
+            "kind": "mirror",
+            "source": ["https://example.invalid/mnist/"],
+            "files": {"t10k-labels-idx1-ubyte.gz": {"from": "https://example.invalid/mnist/t10k", "md5": "ec29" * 8}},
+            "counts": {"train": 60000, "test": 10000},
+        },
+    )
+    peaks = {"baseline": 30700.0, "accumulation": 14000.0, "groupnorm": 29900.0, "accum_batchnorm": 14500.0}
+    too_big = "baseline" if device == "cuda" else "accum_batchnorm"  # the tutorial's case on a 24 GB card; a budget
+    metrics = {n: variant_outputs(root, n, device, batch, fit=n != too_big, peak=peaks[n]) for n in p["variants"]}
+    fit = {"fixed_mib": 1200.0, "per_sample_mib": 1.6, "r2": 0.999}
+    points = [{"micro_batch": m, "fit": True, "peak_mib": 1200 + 1.6 * m} for m in (256, 1024, 4096)]
+    points.append({"micro_batch": 32768, "fit": False, "peak_mib": None, "error": "out of memory"})
+    write_json(
+        root / "reports/sweep/planner.json",
+        {
+            "device": device,
+            "scale": hw["scale"],
+            "batch": batch,
+            "measure": "fixture",
+            "fit": fit,
+            "points": points,
+            "this_machine": {"memory_mib": 24564, "what": "test", "safety_margin": 0.1},
+            "auto_accum": 3,
+            "cards": [
+                {
+                    "card_gb": 8,
+                    "usable_mib": 7373,
+                    "largest_micro_batch": 3858,
+                    "smallest_accum": 9,
+                    "micro_batch": 3641,
+                    "predicted_peak_mib": 7026,
+                }
+            ],
+        },
+    )
+    write_json(
+        root / "reports/gradcheck.json",
+        {
+            "batch": 96,
+            "device": device,
+            "precision": "float32, TF32 off",
+            "tolerance": 1e-5,
+            "groupnorm_max": 7e-7,
+            "groupnorm_equal": True,
+            "batchnorm_min": 1.2,
+            "batchnorm_differs": True,
+            "rows": [
+                {"norm": "group", "accum": 2, "micro_batch": 48, "relative_difference": 3e-7},
+                {"norm": "batch", "accum": 2, "micro_batch": 48, "relative_difference": 1.3},
+            ],
+        },
+    )
+    return metrics
+
+
+def md_table(text: str, heading: str) -> list[dict[str, str]]:
+    section = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+    cols = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(cols, [c.strip() for c in ln.strip("|").split("|")], strict=True)) for ln in lines[2:]]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
+    metrics = fixture_run(workdir, device)
+    report.main()
+    md = (workdir / "reports/report.md").read_text()
+    html = (workdir / "reports/report.html").read_text()
+
+    for name in FIGURES:
+        path = workdir / "reports/figures" / name
+        assert f"](figures/{name})" in md
+        with Image.open(path) as img:
+            img.verify()
+            assert img.format == "PNG" and img.size[0] > 300 and img.size[1] > 200
+    assert html.count('src="data:image/png;base64,') == len(FIGURES)
+    assert not re.search(r'(src|href)="https?:', html)  # opens with no network
+
+    rows = {r["variant"]: r for r in md_table(md, "Variants")}
+    assert set(rows) == set(metrics)
+    for name, m in metrics.items():
+        row = rows[name]
+        assert int(row["accum"]) == m["accum"] and int(row["micro-batch"]) == m["micro_batch"]
+        assert float(row["lr"]) == m["lr"] and int(row["optimizer steps"]) == m["optimizer_steps"]
+        if m["fit"]:
+            assert float(row["final train loss"]) == pytest.approx(m["final_train_loss"], abs=5e-5)
+            assert float(row["test accuracy"]) == pytest.approx(m["test_accuracy"], abs=5e-5)
+            assert float(row["images/s"]) == pytest.approx(m["images_per_second"], abs=0.05)
+            expected_peak = m["memory"]["nvidia_smi_peak_mib"] if device == "cuda" else m["memory"]["rss_peak_mib"]
+            assert float(row["peak memory (MiB)"]) == pytest.approx(expected_peak, abs=0.05)
+            assert row["fit"] == "yes"
+        else:
+            assert row["fit"] == "did not fit" and row["final train loss"] == "-"
+            assert float(row["peak memory (MiB)"]) == m["did_not_fit"]["memory_at_failure_mib"]
+
+    claims = {r["tutorial's claim"]: r for r in md_table(md, "The tutorial's claims against this run")}
+    acc_row = claims["about 13.7 GB with 8192 x 4 (GroupNorm)"]
+    base_row = claims["about 30 GB at batch 32768 (BatchNorm)"]
+    ratio_row = claims["accumulation needs 46% of the baseline's memory (13.7 / 30)"]
+    acc_peak = float(rows["accumulation"]["peak memory (MiB)"])
+    if device == "cuda":  # the study on a GPU whose baseline did not fit
+        assert float(acc_row["measured"].split()[0]) == pytest.approx(acc_peak / 1024, abs=0.05)
+        assert float(acc_row["measured / claimed"]) == pytest.approx(acc_peak / 1024 / 13.7, abs=0.005)
+        assert acc_row["verdict"] == "holds"
+        assert base_row["verdict"] == "did not fit on this machine"
+        assert ratio_row["verdict"].startswith("not measured")
+        assert "NVIDIA Test GPU" in md and "The baseline (batch 32768) did not fit" in md.split("## What ran")[0]
+    else:
+        base_peak = float(rows["baseline"]["peak memory (MiB)"])
+        assert float(ratio_row["measured"].split()[0]) == pytest.approx(acc_peak / base_peak, abs=0.005)
+        assert float(ratio_row["measured / claimed"]) == pytest.approx(acc_peak / base_peak / (13.7 / 30), abs=0.005)
+        assert "scale differs" in acc_row["verdict"] and "CPU only" in md
+        loss_row = claims["the loss is barely affected"]
+        m_acc, m_base = metrics["accumulation"], metrics["baseline"]
+        assert float(loss_row["measured / claimed"]) == pytest.approx(
+            m_acc["final_train_loss"] / m_base["final_train_loss"], abs=0.005
+        )
+
+    grad = md_table(md, "Is the accumulated gradient the large-batch gradient?")
+    assert [float(r["relative difference"]) for r in grad] == [3e-7, 1.3]
+    cards = md_table(md, "Which card fits: the memory planner")
+    assert int(cards[0]["smallest accum"]) == 9
+
+
+def test_report_without_variants_says_what_to_run(workdir: Path) -> None:
+    fixture_run(workdir, "cpu")
+    for path in (workdir / "reports/variants").glob("*/metrics.json"):
+        path.unlink()
+    with pytest.raises(FileNotFoundError, match="run the train stages first"):
+        report.main()

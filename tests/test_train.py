@@ -1,0 +1,170 @@
+"""The training loop: steps at window boundaries only, skipped steps counted, learns, reproducible."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from stages import mnist
+from stages import train as train_stage
+from stages.accumulation import windows
+from stages.outputs import write_json
+
+
+def tiny_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, stride=2), nn.GroupNorm(1, 8), nn.SiLU(), nn.Flatten(), nn.Linear(8 * 13 * 13, 10)
+    )
+
+
+class SpyScaler(torch.amp.GradScaler):
+    """Records the order of scale() (one per micro-batch) and step() calls."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu", enabled=False)
+        self.events: list[str] = []
+
+    def scale(self, outputs):  # type: ignore[override]
+        self.events.append("backward")
+        return super().scale(outputs)
+
+    def step(self, optimizer, *args, **kwargs):  # type: ignore[override]
+        self.events.append("step")
+        return super().step(optimizer, *args, **kwargs)
+
+
+def digits(n: int = 512) -> dict[str, torch.Tensor]:
+    arrays, _ = mnist.fallback_sample()
+    return {
+        "train_x": torch.from_numpy(arrays["train_x"][:n]),
+        "train_y": torch.from_numpy(arrays["train_y"][:n]).long(),
+        "test_x": torch.from_numpy(arrays["test_x"][:256]),
+        "test_y": torch.from_numpy(arrays["test_y"][:256]).long(),
+    }
+
+
+def test_scaler_steps_only_at_window_boundaries() -> None:
+    model = tiny_model()
+    scaler = SpyScaler()
+    opt = torch.optim.AdamW(model.parameters())
+    images, labels = torch.randint(0, 256, (70, 28, 28), dtype=torch.uint8), torch.randint(0, 10, (70,))
+    plan = windows(70, 10, 3)  # 7 micro-batches: windows of 3, 3, 1
+    _, steps, skipped = train_stage.train_epoch(model, opt, scaler, images, labels, torch.arange(70), plan, None)
+    assert steps == 3 and skipped == 0
+    assert scaler.events == ["backward"] * 3 + ["step"] + ["backward"] * 3 + ["step"] + ["backward", "step"]
+
+
+def test_skipped_steps_are_counted() -> None:
+    model = tiny_model()
+    with torch.no_grad():
+        model[-1].weight.fill_(float("inf"))  # every gradient inf/NaN: the scaler must skip every step
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = torch.optim.AdamW(model.parameters())
+    images, labels = torch.randint(0, 256, (40, 28, 28), dtype=torch.uint8), torch.randint(0, 10, (40,))
+    before = [p.clone() for p in model.parameters()]
+    _, steps, skipped = train_stage.train_epoch(
+        model, opt, scaler, images, labels, torch.arange(40), windows(40, 10, 2), None
+    )
+    assert steps == 2 and skipped == 2
+    assert all(torch.equal(a, b) for a, b in zip(before[:2], list(model.parameters())[:2], strict=True))
+
+
+def run(seed: int = 0, accum: int = 2) -> list[dict]:
+    return train_stage.train(
+        tiny_model(seed),
+        digits(),
+        lr=3e-3,
+        weight_decay=0.0,
+        batch=64,
+        accum=accum,
+        epochs=3,
+        seed=seed,
+        dtype=None,
+        eval_batch=128,
+    )
+
+
+def test_short_run_lowers_the_loss() -> None:
+    rows = run()
+    assert rows[-1]["train_loss"] < 0.8 * rows[0]["train_loss"]
+    assert rows[-1]["test_accuracy"] > 0.5
+    assert [r["optimizer_steps"] for r in rows] == [8, 8, 8]  # 512 samples / 64 per step
+
+
+def test_same_seed_same_losses() -> None:
+    a, b = run(seed=5), run(seed=5)
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+    assert [r["test_loss"] for r in a] == [r["test_loss"] for r in b]
+
+
+def test_normalize_matches_tutorial_transform() -> None:
+    x = torch.tensor([[[0, 255], [128, 64]]], dtype=torch.uint8)
+    expected = x.float() / 255 - 0.5  # ToTensor then Normalize((0.5,), (1.0,))
+    assert torch.allclose(train_stage.normalize(x), expected.unsqueeze(1))
+
+
+def stage_inputs(root: Path) -> None:
+    """The files a train stage reads, at a tiny size, in a temp working folder."""
+    rng = np.random.default_rng(0)
+    arrays = {
+        "train_x": rng.integers(0, 256, (64, 28, 28), dtype=np.uint8),
+        "train_y": rng.integers(0, 10, 64).astype(np.uint8),
+        "test_x": rng.integers(0, 256, (32, 28, 28), dtype=np.uint8),
+        "test_y": rng.integers(0, 10, 32).astype(np.uint8),
+    }
+    mnist.save(arrays, root / "data/dataset.npz")
+    write_json(root / "data/provenance.json", {"kind": "fallback"})
+    write_json(root / "data/hardware.json", {"device": "cpu", "scale": "cpu"})
+
+
+def test_out_of_memory_is_a_result(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stage_inputs(workdir)
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(train_stage, "train", oom)
+    train_stage.main("baseline")
+    metrics = json.loads((workdir / "reports/variants/baseline/metrics.json").read_text())
+    assert metrics["fit"] is False and "out of memory" in metrics["did_not_fit"]["reason"]
+    assert metrics["micro_batch"] == 1024 and metrics["final_train_loss"] is None
+    assert (workdir / "reports/variants/baseline/epochs.tsv").read_text().startswith("epoch\ttrain_loss")
+    assert torch.load(workdir / "data/models/baseline.pt", weights_only=True) == {}
+
+
+def test_over_host_budget_is_not_run(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stage_inputs(workdir)
+    write_json(workdir / "reports/sweep/planner.json", {"fit": {"fixed_mib": 800.0, "per_sample_mib": 100.0}})
+    monkeypatch.setattr(train_stage, "train", lambda *a, **k: pytest.fail("must not train"))
+    train_stage.main("baseline")  # 800 + 100 x 1024 MiB is far over the 16 GB budget
+    metrics = json.loads((workdir / "reports/variants/baseline/metrics.json").read_text())
+    assert metrics["fit"] is False and "over memory.host_budget_gb" in metrics["did_not_fit"]["reason"]
+    assert metrics["did_not_fit"]["memory_at_failure_mib"] == 800 + 100 * 1024
+
+
+def test_accum_auto_resolves_from_the_planner(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stage_inputs(workdir)
+    params_text = (workdir / "params.yaml").read_text().replace("\naccum: 4 ", "\naccum: auto ")
+    (workdir / "params.yaml").write_text(params_text)
+    write_json(
+        workdir / "reports/sweep/planner.json", {"fit": {"fixed_mib": 800.0, "per_sample_mib": 1.0}, "auto_accum": 3}
+    )
+    seen = {}
+
+    def fake_train(model, data, **kwargs):
+        seen.update(kwargs)
+        return []
+
+    monkeypatch.setattr(train_stage, "train", fake_train)
+    train_stage.main("accumulation")
+    metrics = json.loads((workdir / "reports/variants/accumulation/metrics.json").read_text())
+    assert seen["accum"] == 3 and metrics["accum"] == 3 and metrics["accum_setting"] == "auto"
+    assert metrics["micro_batch"] == 342  # ceil(1024 / 3)
+    train_stage.main("baseline")  # a variant with its own accum ignores auto
+    assert seen["accum"] == 1
