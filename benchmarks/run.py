@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from stages import mnist, params, planner
 from stages.accumulation import micro_batch_size, windows
 from stages.hardware import cpu_name
+from stages.loop import amp_dtype, train_epoch
 from stages.memory import MemorySampler
 from stages.models import build_model
 from stages.outputs import write_json
 from stages.sweep import run_point
-from stages.train import amp_dtype, train_epoch
 
 SIZES = {  # per device: images per timed run, micro-batch, effective batch, sweep sizes (fit / check)
     "cpu": {"images": 512, "micro": 128, "batch": 512, "fit": [64, 256, 512], "check": [128, 384]},

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from stages import mnist, params
 from stages.outputs import write_json
-
-RAW_DIR = Path("data/raw")  # verified downloads, kept (git-ignored) so a re-run needs no network
-DATASET = Path("data/dataset.npz")
-PROVENANCE = Path("data/provenance.json")
+from stages.paths import DATASET, PROVENANCE, RAW_DIR
 
 
 def main() -> None:

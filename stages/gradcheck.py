@@ -8,20 +8,16 @@ each micro-batch by its own statistics, so it differs). Float32 throughout, TF32
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
 from stages import mnist, params
 from stages.accumulation import accumulated_gradient, micro_batch_size, relative_difference
-from stages.download import DATASET
-from stages.hardware import HARDWARE
+from stages.loop import normalize
 from stages.models import build_model
 from stages.outputs import read_json, write_json, write_table
-from stages.train import normalize
+from stages.paths import DATASET, GRADCHECK, GRADCHECK_TSV, HARDWARE
 
-GRADCHECK = Path("reports/gradcheck.json")
-GRADCHECK_TSV = Path("reports/gradcheck.tsv")
 BATCH = 96  # 7 does not divide it: micro-batches of 14, the last one 12
 ACCUMS = (1, 2, 3, 4, 7)
 TOLERANCE = 1e-5  # float32 rounding over a few million summed terms

@@ -18,8 +18,7 @@ import torch
 
 from stages import params
 from stages.outputs import write_json
-
-HARDWARE = Path("data/hardware.json")
+from stages.paths import HARDWARE
 
 
 def cpu_name() -> str:

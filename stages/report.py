@@ -23,12 +23,9 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from stages import params  # noqa: E402
-from stages.download import PROVENANCE  # noqa: E402
-from stages.gradcheck import GRADCHECK  # noqa: E402
-from stages.hardware import HARDWARE  # noqa: E402
 from stages.outputs import atomic_path, read_json, write_text  # noqa: E402
+from stages.paths import GRADCHECK, HARDWARE, PROVENANCE, SWEEP_PLAN, variant_dir  # noqa: E402
 from stages.planner import predict_mib  # noqa: E402
-from stages.train import SWEEP_PLAN, variant_dir  # noqa: E402
 
 REPORT_MD = Path("reports/report.md")
 REPORT_HTML = Path("reports/report.html")

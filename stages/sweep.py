@@ -13,7 +13,6 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -21,13 +20,12 @@ import torch
 
 from stages import params, planner
 from stages.accumulation import windows
-from stages.hardware import HARDWARE
+from stages.loop import amp_dtype, train_epoch
 from stages.memory import MIB, peak_rss_mib
 from stages.models import build_model
 from stages.outputs import read_json, write_json, write_table
-from stages.train import SWEEP_PLAN, amp_dtype, train_epoch
+from stages.paths import HARDWARE, SWEEP_PLAN, SWEEP_POINTS
 
-POINTS = Path("reports/sweep/points.tsv")
 POINT_COLUMNS = (
     "micro_batch",
     "fit",
@@ -111,7 +109,7 @@ def main() -> None:
     memory_mib, memory_what = device_memory_mib(hw, p)
     margin = p["memory"]["safety_margin"]
     auto = planner.smallest_accum(fit, memory_mib * (1 - margin), scale["batch"])
-    write_table(POINTS, rows, POINT_COLUMNS)
+    write_table(SWEEP_POINTS, rows, POINT_COLUMNS)
     write_json(
         SWEEP_PLAN,
         {

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 from benchmarks.run import tutorial_loop, write_idx
-from stages.train import normalize
+from stages.loop import normalize
 
 
 def test_torchvision_mnist_reads_the_written_idx_files(tmp_path: Path) -> None:

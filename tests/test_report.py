@@ -14,9 +14,9 @@ import yaml
 from PIL import Image
 
 from stages import report
+from stages.loop import EPOCH_COLUMNS
 from stages.memory import TIMELINE_COLUMNS
 from stages.outputs import write_json, write_table
-from stages.train import EPOCH_COLUMNS
 
 VARIANTS = {
     "baseline": ("batch", 1, 1e-3),

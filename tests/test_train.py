@@ -1,4 +1,4 @@
-"""The training loop: steps at window boundaries only, skipped steps counted, learns, reproducible."""
+"""The loop (stages/loop.py) and the train stage: steps at window ends only, skipped steps counted, learns."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from stages import mnist
+from stages import loop, mnist
 from stages import train as train_stage
 from stages.accumulation import windows
 from stages.outputs import write_json
@@ -55,7 +55,7 @@ def test_scaler_steps_only_at_window_boundaries() -> None:
     opt = torch.optim.AdamW(model.parameters())
     images, labels = torch.randint(0, 256, (70, 28, 28), dtype=torch.uint8), torch.randint(0, 10, (70,))
     plan = windows(70, 10, 3)  # 7 micro-batches: windows of 3, 3, 1
-    _, steps, skipped = train_stage.train_epoch(model, opt, scaler, images, labels, torch.arange(70), plan, None)
+    _, steps, skipped = loop.train_epoch(model, opt, scaler, images, labels, torch.arange(70), plan, None)
     assert steps == 3 and skipped == 0
     assert scaler.events == ["backward"] * 3 + ["step"] + ["backward"] * 3 + ["step"] + ["backward", "step"]
 
@@ -68,15 +68,13 @@ def test_skipped_steps_are_counted() -> None:
     opt = torch.optim.AdamW(model.parameters())
     images, labels = torch.randint(0, 256, (40, 28, 28), dtype=torch.uint8), torch.randint(0, 10, (40,))
     before = [p.clone() for p in model.parameters()]
-    _, steps, skipped = train_stage.train_epoch(
-        model, opt, scaler, images, labels, torch.arange(40), windows(40, 10, 2), None
-    )
+    _, steps, skipped = loop.train_epoch(model, opt, scaler, images, labels, torch.arange(40), windows(40, 10, 2), None)
     assert steps == 2 and skipped == 2
     assert all(torch.equal(a, b) for a, b in zip(before[:2], list(model.parameters())[:2], strict=True))
 
 
 def run(seed: int = 0, accum: int = 2) -> list[dict]:
-    return train_stage.train(
+    return loop.train(
         tiny_model(seed),
         digits(),
         lr=3e-3,
@@ -106,7 +104,7 @@ def test_same_seed_same_losses() -> None:
 def test_normalize_matches_tutorial_transform() -> None:
     x = torch.tensor([[[0, 255], [128, 64]]], dtype=torch.uint8)
     expected = x.float() / 255 - 0.5  # ToTensor then Normalize((0.5,), (1.0,))
-    assert torch.allclose(train_stage.normalize(x), expected.unsqueeze(1))
+    assert torch.allclose(loop.normalize(x), expected.unsqueeze(1))
 
 
 def stage_inputs(root: Path) -> None:

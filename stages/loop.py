@@ -1,0 +1,149 @@
+"""The training loop, read in one screen: micro-batches weighted by their share of the window,
+one optimizer step per window, GradScaler stepping only at window ends.
+
+Library code: the `train@<variant>` stage, the sweep, the gradient check and the benchmarks all
+run this loop, so what they measure is what the study trains with.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from stages import mnist
+from stages.accumulation import MicroBatch, micro_batch_size, windows
+from stages.paths import DATASET
+
+EPOCH_COLUMNS = (
+    "epoch",
+    "train_loss",
+    "test_loss",
+    "test_accuracy",
+    "optimizer_steps",
+    "skipped_steps",
+    "images_per_second",
+    "seconds",
+)
+AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": None}  # float32: no autocast
+
+
+def amp_dtype(device: torch.device, train: dict[str, Any]) -> torch.dtype | None:
+    """float16 needs a GradScaler (small gradients underflow); bfloat16 has float32's range and does not."""
+    return AMP_DTYPES[train["amp_cuda"] if device.type == "cuda" else train["amp_cpu"]]
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:
+    """ToTensor + Normalize((0.5,), (1.0,)) as the tutorial, on a whole uint8 batch at once."""
+    return (images.float() / 255.0 - 0.5).unsqueeze(1)
+
+
+def train_epoch(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    perm: torch.Tensor,
+    plan: list[list[MicroBatch]],
+    dtype: torch.dtype | None,
+    progress: bool = False,
+) -> tuple[float, int, int]:
+    """One epoch; returns (mean training loss over samples, optimizer steps, steps the scaler skipped)."""
+    model.train()
+    loss_sum = torch.zeros((), device=images.device)
+    skipped = 0
+    for window in tqdm(plan, desc="  steps", unit="step", leave=False, disable=not progress):
+        for mb in window:
+            idx = perm[mb.start : mb.stop]
+            with torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None):
+                loss = F.cross_entropy(model(normalize(images[idx])), labels[idx])
+            scaler.scale(loss * mb.weight).backward()  # weight = this micro-batch's share of the window
+            loss_sum += loss.detach().float() * (mb.stop - mb.start)
+        scale = scaler.get_scale()
+        scaler.step(opt)  # skipped inside when the scaled gradients hold inf/NaN
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        skipped += int(scaler.is_enabled() and scaler.get_scale() < scale)
+    return float(loss_sum) / len(perm), len(plan), skipped
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch: int, dtype: torch.dtype | None
+) -> tuple[float, float]:
+    """Mean loss and accuracy, in chunks of `batch` so evaluation never sets the memory peak."""
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for start in range(0, len(labels), batch):
+        x, y = normalize(images[start : start + batch]), labels[start : start + batch]
+        with torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None):
+            logits = model(x)
+        loss_sum += float(F.cross_entropy(logits.float(), y, reduction="sum"))
+        correct += int((logits.argmax(1) == y).sum())
+    return loss_sum / len(labels), correct / len(labels)
+
+
+def train(
+    model: nn.Module,
+    data: dict[str, torch.Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    batch: int,
+    accum: int,
+    epochs: int,
+    seed: int,
+    dtype: torch.dtype | None,
+    eval_batch: int,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """The whole run; per epoch: loss, test accuracy, steps and speed (evaluation not timed)."""
+    device = data["train_x"].device
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    n = len(data["train_y"])
+    plan = windows(n, micro_batch_size(batch, accum), accum)  # the same split every epoch; the order changes
+    shuffle = torch.Generator().manual_seed(seed)
+    rows = []
+    for epoch in tqdm(range(1, epochs + 1), desc="epochs", unit="epoch", disable=not progress):
+        perm = torch.randperm(n, generator=shuffle).to(device)
+        start = time.perf_counter()
+        train_loss, steps, skipped = train_epoch(
+            model, opt, scaler, data["train_x"], data["train_y"], perm, plan, dtype, progress
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        test_loss, test_accuracy = evaluate(model, data["test_x"], data["test_y"], eval_batch, dtype)
+        rows.append(
+            {
+                "epoch": epoch,
+                "train_loss": train_loss,
+                "test_loss": test_loss,
+                "test_accuracy": test_accuracy,
+                "optimizer_steps": steps,
+                "skipped_steps": skipped,
+                "images_per_second": n / seconds,
+                "seconds": seconds,
+            }
+        )
+        tqdm.write(
+            f"  epoch {epoch}: train loss {train_loss:.4f}  test acc {test_accuracy:.4f}  "
+            f"{n / seconds:.0f} img/s  {steps} steps ({skipped} skipped)"
+        )
+    return rows
+
+
+def load_data(device: torch.device, train_samples: int, test_samples: int) -> dict[str, torch.Tensor]:
+    """The whole (sub)set on the device as uint8 tensors, once; batches are index lookups."""
+    arrays = mnist.load(DATASET)
+    keep = {"train_x": train_samples, "train_y": train_samples, "test_x": test_samples, "test_y": test_samples}
+    data = {key: torch.from_numpy(np.ascontiguousarray(arrays[key][:n])).to(device) for key, n in keep.items()}
+    data["train_y"], data["test_y"] = data["train_y"].long(), data["test_y"].long()
+    return data
