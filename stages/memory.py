@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,16 @@ import psutil
 MIB = 2**20
 GPU_FIELDS = ("index", "memory.used", "memory.total", "utilization.gpu")
 APP_FIELDS = ("pid", "used_memory")  # nvidia-smi heads this column "used_gpu_memory [MiB]"
-MISSING = {"[N/A]", "[Not Supported]", "N/A", "[Unknown Error]", "[Insufficient Permissions]", ""}
-TIMELINE_COLUMNS = ("seconds", "process_mib", "gpu_used_mib", "gpu_total_mib", "gpu_util_pct", "rss_mib", "source")
+TIMELINE_COLUMNS = (
+    "seconds",
+    "process_mib",
+    "gpu_used_mib",
+    "gpu_total_mib",
+    "gpu_util_pct",
+    "torch_reserved_mib",
+    "rss_mib",
+    "source",
+)
 
 
 def query(fields: tuple[str, ...], kind: str = "gpu") -> list[str]:
@@ -35,7 +44,8 @@ def parse_csv(text: str, fields: tuple[str, ...]) -> list[dict[str, float | None
     """Rows of `nvidia-smi --query-... --format=csv[,nounits][,noheader]`, keyed by the fields asked for.
 
     Keyed by position, because nvidia-smi's header names differ from the query names. Units
-    ("7242 MiB", "97 %") are dropped; `[N/A]` and `[Not Supported]` become None; a header and
+    ("7242 MiB", "97 %") are dropped. Anything that is not a number (`[N/A]`, `[Not Supported]`,
+    `[Insufficient Permissions]`, an empty field, ...) becomes None, never a made-up 0; a header and
     no rows (no process on the GPU) gives [].
     """
     rows = []
@@ -43,20 +53,33 @@ def parse_csv(text: str, fields: tuple[str, ...]) -> list[dict[str, float | None
         values = [v.strip() for v in fields_text]
         if not any(values):
             continue
-        if not rows and not _is_value(values[0]):
+        if not rows and number(values[0]) is None and not is_marker(values[0]):
             continue  # the header line
         if len(values) != len(fields):
             raise ValueError(f"nvidia-smi row {values} does not have the {len(fields)} fields {fields}")
-        rows.append({f: None if v in MISSING else float(v.split()[0]) for f, v in zip(fields, values, strict=True)})
+        rows.append({f: number(v) for f, v in zip(fields, values, strict=True)})
     return rows
 
 
-def _is_value(text: str) -> bool:
+def number(text: str) -> float | None:
+    """"7242 MiB" -> 7242.0; any marker or other text -> None."""
     try:
-        float(text.split()[0])
+        return float(text.split()[0])
     except (ValueError, IndexError):
-        return text in MISSING
-    return True
+        return None
+
+
+def is_marker(text: str) -> bool:
+    """nvidia-smi's stand-ins for a value it cannot give: `[...]`, `N/A` or an empty field."""
+    return text in ("", "N/A") or (text.startswith("[") and text.endswith("]"))
+
+
+def markers(text: str) -> set[str]:
+    """The non-number stand-ins in a CSV answer, to say in the output why a figure is missing."""
+    found = set()
+    for values in csv.reader(io.StringIO(text), skipinitialspace=True):
+        found.update(v.strip() or "(empty)" for v in values if is_marker(v.strip()))
+    return found
 
 
 def run_nvidia_smi(args: list[str], timeout: float = 10.0) -> str:
@@ -82,14 +105,29 @@ class MemorySampler:
     """Samples memory in a thread while a `with` block runs; rows and peaks are read after it ends.
 
     device "cuda": this process's memory from nvidia-smi's process list, or the GPU-wide
-    figure when the list does not show our PID (a container's PID namespace); "cpu": RSS.
+    figure when the list does not show our PID (a container's PID namespace), or, when
+    nvidia-smi gives no memory figure at all (MIG in an unprivileged pod, WDDM), none: the
+    row's source says "torch" and PyTorch's reserved bytes are the only figure. "cpu": RSS.
+    `torch_reserved` reads PyTorch's counter (MiB); tests pass a stand-in.
     """
 
-    def __init__(self, device: str, interval_ms: int, gpu_index: int = 0) -> None:
+    def __init__(
+        self,
+        device: str,
+        interval_ms: int,
+        gpu_index: int = 0,
+        torch_reserved: Callable[[], float] | None = None,
+    ) -> None:
         self.device, self.interval, self.gpu_index = device, interval_ms / 1000, gpu_index
         self.rows: list[dict[str, Any]] = []
         self.peak_snapshot: str | None = None  # plain `nvidia-smi` text at the highest reading
         self.errors: list[str] = []
+        self.markers: set[str] = set()  # what nvidia-smi printed instead of memory figures
+        if torch_reserved is None and device == "cuda":
+            import torch
+
+            torch_reserved = lambda: torch.cuda.memory_reserved(gpu_index) / MIB  # noqa: E731
+        self.torch_reserved = torch_reserved
         self.nvidia_smi = device == "cuda" and shutil.which("nvidia-smi") is not None
         if device == "cuda" and not self.nvidia_smi:
             warnings.warn("nvidia-smi not on PATH: no GPU snapshots; PyTorch's figures still recorded", stacklevel=2)
@@ -128,24 +166,32 @@ class MemorySampler:
         row: dict[str, Any] = dict.fromkeys(TIMELINE_COLUMNS)
         row["seconds"] = round(time.perf_counter() - self._start, 3)
         row["rss_mib"] = round(self._process.memory_info().rss / MIB, 1)
+        if self.torch_reserved is not None:
+            row["torch_reserved_mib"] = round(self.torch_reserved(), 1)
         if not self.nvidia_smi:
-            row["source"] = "rss"
+            row["source"] = "rss" if self.device == "cpu" else "torch"
             return row
-        gpus = [g for g in parse_csv(run_nvidia_smi(query(GPU_FIELDS)), GPU_FIELDS) if g["index"] == self.gpu_index]
+        gpu_text = run_nvidia_smi(query(GPU_FIELDS))
+        gpus = [g for g in parse_csv(gpu_text, GPU_FIELDS) if g["index"] == self.gpu_index]
         gpu = gpus[0] if gpus else {}
         row.update(
             gpu_used_mib=gpu.get("memory.used"),
             gpu_total_mib=gpu.get("memory.total"),
             gpu_util_pct=gpu.get("utilization.gpu"),
         )
-        apps = parse_csv(run_nvidia_smi(query(APP_FIELDS, "compute-apps")), APP_FIELDS)
-        mine = [a for a in apps if a["pid"] == os.getpid()]
-        if mine and mine[0].get("used_memory") is not None:
+        apps_text = run_nvidia_smi(query(APP_FIELDS, "compute-apps"))
+        mine = [a for a in parse_csv(apps_text, APP_FIELDS) if a["pid"] == os.getpid()]
+        if mine and mine[0]["used_memory"] is not None:
             row["process_mib"], row["source"] = mine[0]["used_memory"], "process"
-        else:
-            row["process_mib"], row["source"] = row["gpu_used_mib"], "gpu"  # PID namespace or no per-process figure
+        elif row["gpu_used_mib"] is not None:  # PID namespace, or no per-process figure
+            row["process_mib"], row["source"] = row["gpu_used_mib"], "gpu"
+        else:  # nvidia-smi gave no memory figure at all: no number is made up
+            row["source"] = "torch"
+            self.markers |= markers(gpu_text) | markers(apps_text)
         if row["process_mib"] is not None:
             self._snapshot_if_peak(row["process_mib"])
+        elif self.peak_snapshot is None:
+            self.peak_snapshot = run_nvidia_smi([])
         return row
 
     def _snapshot_if_peak(self, used_mib: float) -> None:
@@ -172,7 +218,14 @@ class MemorySampler:
                 nvidia_smi_peak_mib=peak("process_mib"),
                 nvidia_smi_source="/".join(sources) or None,
                 gpu_total_mib=peak("gpu_total_mib"),
+                sampled_torch_reserved_peak_mib=peak("torch_reserved_mib"),
             )
+            if "torch" in sources:
+                shown = ", ".join(sorted(self.markers)) or "nothing (nvidia-smi missing)"
+                out["nvidia_smi_fallback"] = (
+                    f"nvidia-smi gave no memory figure in {sum(r['source'] == 'torch' for r in self.rows)} of "
+                    f"{len(self.rows)} samples (it printed {shown}); PyTorch's reserved memory used there"
+                )
         out.update(
             rss_peak_mib=round(max(peak_rss_mib(), peak("rss_mib") or 0.0), 1), sampled_rss_peak_mib=peak("rss_mib")
         )

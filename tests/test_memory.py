@@ -59,15 +59,31 @@ def test_parse_rejects_a_row_of_the_wrong_shape() -> None:
         parse_csv("pid, used_gpu_memory [MiB]\n1, 2, 3\n", APP_FIELDS)
 
 
+# A stand-in for nvidia-smi, from ../shared/nvidia-smi-facts.md: it answers the sampler's two CSV queries
+# and the plain snapshot. FAKE_MODE picks what a real driver printed:
+#   (unset)    our PID listed with its memory (bare metal)
+#   container  the process list is empty although memory is in use (PID namespace)
+#   mig-pod    A100 MIG in an unprivileged pod: every memory field [Insufficient Permissions], utilization [N/A]
+#   wddm       Windows WDDM: per-process used_gpu_memory [N/A]
+#   odd        the other markers: [Requested functionality has been deprecated], [Unknown Error], an empty field
 FAKE = """#!/usr/bin/env bash
-# A stand-in for nvidia-smi: answers the sampler's two queries and the plain snapshot.
 echo $$ >> "{log}"
 sleep 0.05
+used=$((1000 + RANDOM % 100)); mine=$((700 + RANDOM % 100))
 case "$1" in
   --query-gpu=*) echo "index, memory.used [MiB], memory.total [MiB], utilization.gpu [%]"
-                 echo "0, $((1000 + RANDOM % 100)), 81559, 50" ;;
+    case "$FAKE_MODE" in
+      mig-pod) echo "0, [Insufficient Permissions], [Insufficient Permissions], [N/A]" ;;
+      odd)     echo "0, [Requested functionality has been deprecated], , [Unknown Error]" ;;
+      *)       echo "0, $used, 81559, 50" ;;
+    esac ;;
   --query-compute-apps=*) echo "pid, used_gpu_memory [MiB]"
-                 if [ -z "$FAKE_EMPTY" ]; then echo "$PPID, $((700 + RANDOM % 100))"; echo "1, 5"; fi ;;
+    case "$FAKE_MODE" in
+      container) ;;
+      mig-pod)   echo "$PPID, [Insufficient Permissions]" ;;
+      wddm|odd)  echo "$PPID, [N/A]"; echo "1584, [N/A]" ;;
+      *)         echo "$PPID, $mine"; echo "1, 5" ;;
+    esac ;;
   "") echo "+---- NVIDIA-SMI 999.99 fake ----+" ;;
   *) echo "unexpected $*" >&2; exit 3 ;;
 esac
@@ -93,7 +109,7 @@ def no_orphans(log: Path) -> None:
 
 
 def test_sampler_reads_this_process_from_fake_nvidia_smi(fake_nvidia_smi: Path) -> None:
-    with MemorySampler("cuda", interval_ms=50) as sampler:
+    with MemorySampler("cuda", interval_ms=50, torch_reserved=fake_torch_reserved) as sampler:
         time.sleep(0.6)
     assert len(sampler.rows) >= 3
     assert all(r["source"] == "process" and 700 <= r["process_mib"] < 800 for r in sampler.rows)
@@ -105,31 +121,79 @@ def test_sampler_reads_this_process_from_fake_nvidia_smi(fake_nvidia_smi: Path) 
     no_orphans(fake_nvidia_smi)
 
 
-def test_sampler_falls_back_to_gpu_wide_figure(fake_nvidia_smi: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FAKE_EMPTY", "1")  # a container: our PID is not in the list
-    with MemorySampler("cuda", interval_ms=50) as sampler:
+def fake_torch_reserved() -> float:
+    return 512.0
+
+
+@pytest.mark.parametrize("mode", ["container", "wddm"])
+def test_sampler_falls_back_to_gpu_wide_figure(
+    fake_nvidia_smi: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", mode)  # our PID not listed, or listed without a figure
+    with MemorySampler("cuda", interval_ms=50, torch_reserved=fake_torch_reserved) as sampler:
         time.sleep(0.3)
     assert sampler.rows and all(r["source"] == "gpu" and r["process_mib"] == r["gpu_used_mib"] for r in sampler.rows)
-    assert sampler.summary()["nvidia_smi_source"] == "gpu"
+    summary = sampler.summary()
+    assert summary["nvidia_smi_source"] == "gpu" and "nvidia_smi_fallback" not in summary
+    assert 1000 <= summary["nvidia_smi_peak_mib"] < 1100
+
+
+@pytest.mark.parametrize(
+    ("mode", "shown"),
+    [
+        ("mig-pod", "[Insufficient Permissions], [N/A]"),
+        ("odd", "(empty), [N/A], [Requested functionality has been deprecated], [Unknown Error]"),
+    ],
+)
+def test_sampler_without_any_memory_figure_uses_torch_and_says_so(
+    fake_nvidia_smi: Path, monkeypatch: pytest.MonkeyPatch, mode: str, shown: str
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", mode)
+    with MemorySampler("cuda", interval_ms=50, torch_reserved=fake_torch_reserved) as sampler:
+        time.sleep(0.3)
+    assert sampler.rows and not sampler.errors
+    assert all(r["source"] == "torch" and r["process_mib"] is None and r["gpu_used_mib"] is None for r in sampler.rows)
+    assert all(r["torch_reserved_mib"] == 512.0 for r in sampler.rows)
+    summary = sampler.summary()
+    assert summary["nvidia_smi_peak_mib"] is None and summary["nvidia_smi_source"] == "torch"  # no invented number
+    assert summary["sampled_torch_reserved_peak_mib"] == 512.0
+    assert f"it printed {shown}); PyTorch's reserved memory used there" in summary["nvidia_smi_fallback"]
+    assert sampler.peak_snapshot and "NVIDIA-SMI" in sampler.peak_snapshot
+    no_orphans(fake_nvidia_smi)
+
+
+def test_parse_every_marker_from_the_facts_as_missing() -> None:
+    text = "index, memory.used [MiB], memory.total [MiB], utilization.gpu [%]\n0, [Insufficient Permissions], , [N/A]\n"
+    assert parse_csv(text, GPU_FIELDS) == [
+        {"index": 0.0, "memory.used": None, "memory.total": None, "utilization.gpu": None}
+    ]
+    text = "0, [Requested functionality has been deprecated], [Unknown Error], [Not Supported]\n"  # noheader
+    assert parse_csv(text, GPU_FIELDS)[0]["memory.used"] is None
+    assert memory.markers(text) == {
+        "[Requested functionality has been deprecated]",
+        "[Unknown Error]",
+        "[Not Supported]",
+    }
 
 
 @pytest.mark.parametrize("error", [RuntimeError("training failed"), KeyboardInterrupt()])
 def test_sampler_stops_on_exception_and_ctrl_c(fake_nvidia_smi: Path, error: BaseException) -> None:
     with pytest.raises(type(error)):
-        with MemorySampler("cuda", interval_ms=20) as sampler:
+        with MemorySampler("cuda", interval_ms=20, torch_reserved=fake_torch_reserved) as sampler:
             time.sleep(0.2)
             raise error
     assert sampler._thread is None and not any(t.name == "memory-sampler" for t in __import__("threading").enumerate())
     no_orphans(fake_nvidia_smi)
 
 
-def test_missing_nvidia_smi_warns_and_records_rss(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_missing_nvidia_smi_warns_and_records_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.warns(UserWarning, match="nvidia-smi not on PATH"):
-        sampler = MemorySampler("cuda", interval_ms=50)
+        sampler = MemorySampler("cuda", interval_ms=50, torch_reserved=fake_torch_reserved)
     with sampler:
         time.sleep(0.2)
-    assert sampler.rows and all(r["source"] == "rss" for r in sampler.rows)
+    assert sampler.rows and all(r["source"] == "torch" and r["torch_reserved_mib"] == 512.0 for r in sampler.rows)
+    assert "nvidia-smi missing" in sampler.summary()["nvidia_smi_fallback"]
 
 
 def test_rss_sampler_sees_an_allocation() -> None:
