@@ -58,7 +58,7 @@ def train_epoch(
     model.train()
     loss_sum = torch.zeros((), device=images.device)
     skipped = 0
-    for window in tqdm(plan, desc="  steps", unit="step", leave=False, disable=not progress):
+    for window in tqdm(plan, desc="  steps", unit="step", leave=False, disable=None if progress else True):
         for mb in window:
             idx = perm[mb.start : mb.stop]
             with torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None):
@@ -111,7 +111,7 @@ def train(
     plan = windows(n, micro_batch_size(batch, accum), accum)  # the same split every epoch; the order changes
     shuffle = torch.Generator().manual_seed(seed)
     rows = []
-    for epoch in tqdm(range(1, epochs + 1), desc="epochs", unit="epoch", disable=not progress):
+    for epoch in tqdm(range(1, epochs + 1), desc="epochs", unit="epoch", disable=None if progress else True):
         perm = torch.randperm(n, generator=shuffle).to(device)
         start = time.perf_counter()
         train_loss, steps, skipped = train_epoch(

@@ -35,12 +35,15 @@ def test_defaults_are_valid() -> None:
     assert params.load(ROOT / "params.yaml")["accum"] == DEFAULTS["accum"]
 
 
-@pytest.mark.parametrize("value", [0, -3, 1025])
+CPU_BATCH = DEFAULTS["scales"]["cpu"]["batch"]
+
+
+@pytest.mark.parametrize("value", [0, -3, CPU_BATCH + 1])
 def test_accum_out_of_range_names_the_batch(value: int) -> None:
     msg = error_for(with_change("accum", value))
     assert f"accum = {value}" in msg
     assert "from 1 to the effective batch size" in msg
-    assert "scales.cpu.batch = 1024" in msg or value < 1
+    assert f"scales.cpu.batch = {CPU_BATCH}" in msg or value < 1
 
 
 def test_accum_wrong_type() -> None:
@@ -121,7 +124,7 @@ def test_variant_norm_and_extra() -> None:
 
 def test_variant_fixed_accum_over_batch() -> None:
     msg = error_for(with_change("variants.baseline.accum", 5000))
-    assert "variants.baseline.accum = 5000" in msg and "scales.cpu.batch = 1024" in msg
+    assert "variants.baseline.accum = 5000" in msg and f"scales.cpu.batch = {CPU_BATCH}" in msg
 
 
 def test_yaml_syntax_error_names_file(tmp_path: Path) -> None:

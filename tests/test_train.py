@@ -8,12 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from stages import loop, mnist
 from stages import train as train_stage
 from stages.accumulation import windows
 from stages.outputs import write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_BATCH = yaml.safe_load((ROOT / "params.yaml").read_text())["scales"]["cpu"]["batch"]
 
 
 def tiny_model(seed: int = 0) -> nn.Module:
@@ -131,7 +135,7 @@ def test_out_of_memory_is_a_result(workdir: Path, monkeypatch: pytest.MonkeyPatc
     train_stage.main("baseline")
     metrics = json.loads((workdir / "reports/variants/baseline/metrics.json").read_text())
     assert metrics["fit"] is False and "out of memory" in metrics["did_not_fit"]["reason"]
-    assert metrics["micro_batch"] == 1024 and metrics["final_train_loss"] is None
+    assert metrics["micro_batch"] == CPU_BATCH and metrics["final_train_loss"] is None
     assert (workdir / "reports/variants/baseline/epochs.tsv").read_text().startswith("epoch\ttrain_loss")
     assert torch.load(workdir / "data/models/baseline.pt", weights_only=True) == {}
 
@@ -140,10 +144,10 @@ def test_over_host_budget_is_not_run(workdir: Path, monkeypatch: pytest.MonkeyPa
     stage_inputs(workdir)
     write_json(workdir / "reports/sweep/planner.json", {"fit": {"fixed_mib": 800.0, "per_sample_mib": 100.0}})
     monkeypatch.setattr(train_stage, "train", lambda *a, **k: pytest.fail("must not train"))
-    train_stage.main("baseline")  # 800 + 100 x 1024 MiB is far over the 16 GB budget
+    train_stage.main("baseline")  # 800 + 100 MiB x the CPU batch is far over the 16 GB budget
     metrics = json.loads((workdir / "reports/variants/baseline/metrics.json").read_text())
     assert metrics["fit"] is False and "over memory.host_budget_gb" in metrics["did_not_fit"]["reason"]
-    assert metrics["did_not_fit"]["memory_at_failure_mib"] == 800 + 100 * 1024
+    assert metrics["did_not_fit"]["memory_at_failure_mib"] == 800 + 100 * CPU_BATCH
 
 
 def test_accum_auto_resolves_from_the_planner(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,6 +167,6 @@ def test_accum_auto_resolves_from_the_planner(workdir: Path, monkeypatch: pytest
     train_stage.main("accumulation")
     metrics = json.loads((workdir / "reports/variants/accumulation/metrics.json").read_text())
     assert seen["accum"] == 3 and metrics["accum"] == 3 and metrics["accum_setting"] == "auto"
-    assert metrics["micro_batch"] == 342  # ceil(1024 / 3)
+    assert metrics["micro_batch"] == -(-CPU_BATCH // 3)  # ceil(batch / 3)
     train_stage.main("baseline")  # a variant with its own accum ignores auto
     assert seen["accum"] == 1
