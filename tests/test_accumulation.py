@@ -73,7 +73,8 @@ def test_batchnorm_differs(batch) -> None:
 
 @pytest.mark.parametrize(
     ("n", "batch", "accum"),
-    [(60000, 32768, 8), (60000, 32768, 4), (4000, 1024, 3), (10, 10, 10), (1000, 64, 7), (5, 64, 1)],
+    [(60000, 32768, 8), (60000, 32768, 4), (4000, 1024, 3), (10, 10, 10), (1000, 64, 7), (5, 64, 1)]
+    + [(1001, 100, accum) for accum in range(1, 8)],  # accum 1 to 7, n not divisible by the micro-batch
 )
 def test_windows_cover_every_sample_once_and_weights_sum_to_one(n: int, batch: int, accum: int) -> None:
     micro = micro_batch_size(batch, accum)
