@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import base64
 import html
+import math
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -21,6 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+import yaml  # noqa: E402
 
 from stages import params  # noqa: E402
 from stages.outputs import atomic_path, read_json, write_text  # noqa: E402
@@ -40,6 +43,13 @@ class Report:
 
     blocks: list[tuple[str, Any]] = field(default_factory=list)
     figures: dict[str, bytes] = field(default_factory=dict)
+    stamp: str = ""  # printed on every figure: the scale, when it is not the tutorial's study
+
+    def banner(self, text: str) -> None:
+        self.blocks.append(("banner", text))
+
+    def pre(self, text: str) -> None:
+        self.blocks.append(("pre", text))
 
     def heading(self, text: str) -> None:
         self.blocks.append(("h2", text))
@@ -51,6 +61,8 @@ class Report:
         self.blocks.append(("table", rows))
 
     def figure(self, name: str, fig: plt.Figure, caption: str) -> None:
+        if self.stamp:
+            fig.suptitle(self.stamp, color="#c44e52", fontsize=10, fontweight="bold")
         with atomic_path(FIGURES / name) as tmp:
             fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
         plt.close(fig)
@@ -64,6 +76,10 @@ class Report:
                 out.append(f"## {value}\n")
             elif kind == "p":
                 out.append(f"{value}\n")
+            elif kind == "banner":
+                out.append(f"> **{value}**\n")
+            elif kind == "pre":
+                out.append(f"```text\n{value.rstrip()}\n```\n")
             elif kind == "table" and value:
                 cols = list(value[0])
                 out.append("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
@@ -80,6 +96,10 @@ class Report:
                 body.append(f"<h2>{html.escape(value)}</h2>")
             elif kind == "p":
                 body.append(f"<p>{html.escape(value)}</p>")
+            elif kind == "banner":
+                body.append(f'<p class="banner">{html.escape(value)}</p>')
+            elif kind == "pre":
+                body.append(f"<pre>{html.escape(value)}</pre>")
             elif kind == "table" and value:
                 head = "".join(f"<th>{html.escape(str(c))}</th>" for c in value[0])
                 rows = "".join(
@@ -97,6 +117,8 @@ class Report:
             "table{border-collapse:collapse;margin:1em 0;font-size:14px}"
             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}th{background:#f3f3f3}"
             "img{max-width:100%}figcaption{font-style:italic;color:#555}"
+            "pre{background:#f6f6f6;padding:6px;font-size:12px;overflow-x:auto}"
+            ".banner{background:#fde8e8;border:2px solid #c44e52;padding:8px;font-weight:bold}"
         )
         return (
             f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
@@ -143,25 +165,35 @@ def fmt(value: Any, digits: int = 4) -> str:
 
 
 def variants_table(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per variant; on a GPU, nvidia-smi's peak beside PyTorch's allocated and reserved peaks."""
     rows = []
     for name, r in results.items():
         m = r["metrics"]
-        rows.append(
-            {
-                "variant": name,
-                "norm": m["norm"],
-                "accum": m["accum"],
-                "micro-batch": m["micro_batch"],
-                "lr": m["lr"],
-                "final train loss": fmt(m["final_train_loss"]),
-                "test accuracy": fmt(m["test_accuracy"]),
-                "peak memory (MiB)": fmt(peak_mib(m), 1),
-                "images/s": fmt(m["images_per_second"], 1),
-                "optimizer steps": m["optimizer_steps"],
-                "skipped steps": m["skipped_steps"],
-                "fit": "yes" if m["fit"] else "did not fit",
-            }
-        )
+        mem, failed = m["memory"], m["did_not_fit"]
+        row = {
+            "variant": name,
+            "norm": m["norm"],
+            "accum": m["accum"],
+            "micro-batch": m["micro_batch"],
+            "lr": m["lr"],
+            "final train loss": fmt(m["final_train_loss"]),
+            "test accuracy": fmt(m["test_accuracy"]),
+            "peak memory (MiB)": fmt(peak_mib(m), 1),
+        }
+        if m["device"] == "cuda":
+            row["memory source"] = mem.get("nvidia_smi_source") or "-"
+            row["torch max allocated (MiB)"] = fmt(mem.get("torch_max_allocated_mib"), 1)
+            row["torch max reserved (MiB)"] = fmt(mem.get("torch_max_reserved_mib"), 1)
+        row |= {
+            "images/s": fmt(m["images_per_second"], 1),
+            "optimizer steps": m["optimizer_steps"],
+            "skipped steps": m["skipped_steps"],
+            "fit": "yes" if m["fit"] else "did not fit",
+            "why not": f"{failed['reason']} (at {failed['memory_at_failure_mib']} of {failed['device_total_mib']} MiB)"
+            if failed
+            else "-",
+        }
+        rows.append(row)
     return rows
 
 
@@ -186,9 +218,13 @@ def claim(text: str, measured: str, over: float | None, result: str | None = Non
     }
 
 
-def claims_table(results: dict[str, dict[str, Any]], study_on_gpu: bool) -> list[dict[str, Any]]:
+def claims_table(
+    results: dict[str, dict[str, Any]], study_on_gpu: bool, grad: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """The tutorial's claims, then the controls that separate what it changed at once (norm, accumulation)."""
     get = {name: r["metrics"] for name, r in results.items()}
     base, acc, gn = get.get("baseline"), get.get("accumulation"), get.get("groupnorm")
+    acc_bn = get.get("accum_batchnorm")
     fitted = {name: m for name, m in (("baseline", base), ("accumulation", acc)) if m and m["fit"]}
     rows = []
     for name, text, gb in (
@@ -230,9 +266,12 @@ def claims_table(results: dict[str, dict[str, Any]], study_on_gpu: bool) -> list
                 f"final train loss {a_loss:.4f} vs {b_loss:.4f}; test accuracy "
                 f"{fitted['accumulation']['test_accuracy']:.4f} vs {fitted['baseline']['test_accuracy']:.4f}",
                 a_loss / b_loss,
-                "holds (within 10%)"
-                if abs(change) <= 0.10
-                else f"does not hold: the loss is {'higher' if change > 0 else 'lower'} by {abs(change):.0%}",
+                (
+                    "holds (within 10%)"
+                    if abs(change) <= 0.10
+                    else f"the loss is {'higher' if change > 0 else 'lower'} by {abs(change):.0%}"
+                )
+                + "; but norm and lr changed too: the two control rows below separate them",
             )
         )
     else:
@@ -247,7 +286,53 @@ def claims_table(results: dict[str, dict[str, Any]], study_on_gpu: bool) -> list
                 "holds" if diff <= 0.01 else f"differs by {diff:.1%}",
             )
         )
+    if gn and base and gn["fit"] and base["fit"]:
+        change = gn["final_train_loss"] / base["final_train_loss"] - 1
+        rows.append(
+            claim(
+                "(this study) the norm swap alone: GroupNorm(1) against BatchNorm, both accum 1",
+                f"final train loss {gn['final_train_loss']:.4f} vs {base['final_train_loss']:.4f}; test accuracy "
+                f"{gn['test_accuracy']:.4f} vs {base['test_accuracy']:.4f}; peak {peak_mib(gn):.0f} vs "
+                f"{peak_mib(base):.0f} MiB",
+                None,
+                "no change (within 10%)"
+                if abs(change) <= 0.10
+                else f"the norm (and lr) change the loss by {abs(change):.0%}; memory stays "
+                f"{peak_mib(gn) / peak_mib(base):.2f}x",
+            )
+        )
+    if grad:
+        also = ""
+        if acc_bn and base and acc_bn["fit"] and base["fit"]:
+            also = (
+                f"; accum_batchnorm ended at loss {acc_bn['final_train_loss']:.4f} (test accuracy "
+                f"{acc_bn['test_accuracy']:.4f}) against the baseline's {base['final_train_loss']:.4f}"
+            )
+        rows.append(
+            claim(
+                "BatchNorm must go for accumulation (swapped for GroupNorm)",
+                f"accumulated gradient vs full batch: BatchNorm differs by at least {grad['batchnorm_min']:.2f}, "
+                f"GroupNorm by at most {grad['groupnorm_max']:.1e} (relative){also}",
+                None,
+                "holds: with BatchNorm, accumulation is not the large-batch gradient (it still trains)"
+                if grad["batchnorm_differs"] and grad["groupnorm_equal"]
+                else "not shown by this run's gradient check",
+            )
+        )
     return rows
+
+
+def steps_note(p: dict[str, Any], scale_name: str) -> str:
+    """How many optimizer steps the tutorial's study and this run make: what a loss comparison can mean."""
+    study, ran = p["scales"]["study"], p["scales"][scale_name]
+    study_steps = math.ceil(study["train_samples"] / study["batch"]) * study["epochs"]
+    ran_steps = math.ceil(ran["train_samples"] / ran["batch"]) * ran["epochs"]
+    return (
+        f"The tutorial's study makes only {study_steps} optimizer steps ({study['train_samples']:,} images / batch "
+        f"{study['batch']:,} = {math.ceil(study['train_samples'] / study['batch'])} per epoch, {study['epochs']} "
+        f"epochs), so its loss comparison is between two barely trained models: it cannot tell whether "
+        f"accumulation affects the converged result. This run made {ran_steps} steps per variant."
+    )
 
 
 def summary(results: dict[str, dict[str, Any]], grad: dict[str, Any] | None, device: str) -> str:
@@ -377,9 +462,41 @@ def figures(rep: Report, results: dict[str, dict[str, Any]], plan: dict[str, Any
             color="#dd8452",
             label=f"fit: {plan['fit']['fixed_mib']:.0f} + {plan['fit']['per_sample_mib']:.3f} MiB x micro-batch",
         )
+        cards = plan["device"] == "cuda"
+        if cards:  # the card sizes the planner's table answers for
+            for card in plan["cards"]:
+                ax.axhline(card["usable_mib"], color="#999", linewidth=0.8, linestyle="--")
+                ax.annotate(f"{card['card_gb']} GB", (xs[1], card["usable_mib"]), fontsize=8, va="bottom", ha="right")
         ax.set(xlabel="micro-batch size", ylabel="peak memory (MiB)")
         ax.legend()
-        rep.figure("sweep.png", fig, f"Memory sweep: {plan['measure']} at each micro-batch, with the fitted line.")
+        rep.figure(
+            "sweep.png",
+            fig,
+            f"Memory sweep: {plan['measure']} at each micro-batch, with the fitted line"
+            + (
+                " and each card's usable memory (dashed)."
+                if cards
+                else " (host memory: card sizes apply to a GPU run)."
+            ),
+        )
+
+
+def gradcheck_figure(rep: Report, grad: dict[str, Any]) -> None:
+    rows = pd.DataFrame([r for r in grad["rows"] if r["accum"] > 1])  # accum 1 is the reference itself: exactly 0
+    rows["norm"] = rows["norm"].map({"group": "GroupNorm", "batch": "BatchNorm"})
+    rows["relative_difference"] = rows["relative_difference"].clip(lower=1e-12)  # log scale: an exact 0 shows at 1e-12
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sns.lineplot(rows, x="accum", y="relative_difference", hue="norm", style="norm", markers=True, markersize=9, ax=ax)
+    ax.axhline(grad["tolerance"], color="#555", linestyle=":", label=f"tolerance {grad['tolerance']:.0e}")
+    ax.set(yscale="log", xlabel="accum (micro-batches per step)", ylabel="||g_accum - g_full|| / ||g_full||")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend()
+    rep.figure(
+        "gradcheck.png",
+        fig,
+        f"Accumulated against full-batch gradient on one batch of {grad['batch']} ({grad['precision']}): GroupNorm "
+        "stays at float32 rounding, BatchNorm does not.",
+    )
 
 
 def peak_split(m: dict[str, Any]) -> dict[str, float]:
@@ -428,8 +545,22 @@ def header(rep: Report, p: dict[str, Any], hw: dict[str, Any], prov: dict[str, A
             {"": "precision", "value": f"CUDA: {p['train']['amp_cuda']}, CPU: {p['train']['amp_cpu']}"},
             {"": "accum", "value": str(p["accum"])},
             {"": "versions", "value": f"torch {version('torch')}, timm {version('timm')}, dvc {version('dvc')}"},
+            {"": "git commit", "value": git_state()},
         ]
     )
+    rep.text("The params that ran (params.yaml):")
+    rep.pre(yaml.safe_dump(p, sort_keys=False))
+
+
+def git_state() -> str:
+    """The commit the report was made from, and whether the tree differed from it (an experiment's params do)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    changed = [line[3:] for line in dirty.splitlines()]
+    return commit.strip() + (f", with uncommitted changes to {', '.join(changed[:8])}" if changed else ", clean tree")
 
 
 def main() -> None:
@@ -440,13 +571,22 @@ def main() -> None:
     grad = read_json(GRADCHECK) if GRADCHECK.exists() else None
     device = hw["device"]
     rep = Report()
+    if hw["scale"] != "study":
+        scale = p["scales"][hw["scale"]]
+        rep.stamp = f"{hw['scale'].upper()} SCALE - not the tutorial's study"
+        rep.banner(
+            f"{hw['scale'].upper()} SCALE - not the tutorial's study: {scale['train_samples']:,} images, effective "
+            f"batch {scale['batch']}, {scale['epochs']} epochs on {device}; memory is host RSS, not GPU memory. "
+            "The ratios and the equivalence carry over; absolute memory, speed and accuracy do not."
+        )
     rep.heading("Summary")
     rep.text(summary(results, grad, device))
     header(rep, p, hw, prov)
     rep.heading("Variants")
     rep.table(variants_table(results))
     rep.heading("The tutorial's claims against this run")
-    rep.table(claims_table(results, study_on_gpu=hw["scale"] == "study" and device == "cuda"))
+    rep.table(claims_table(results, study_on_gpu=hw["scale"] == "study" and device == "cuda", grad=grad))
+    rep.text(steps_note(p, hw["scale"]))
     figures(rep, results, plan, device)
     if grad:
         rep.heading("Is the accumulated gradient the large-batch gradient?")
@@ -465,6 +605,14 @@ def main() -> None:
                 for r in grad["rows"]
             ]
         )
+        gradcheck_figure(rep, grad)
+    if device == "cuda":
+        rep.heading("nvidia-smi at each variant's peak")
+        for name in results:
+            mem = results[name]["metrics"]["memory"]
+            rep.text(f"{name}:" + (f" {mem['nvidia_smi_fallback']}" if mem.get("nvidia_smi_fallback") else ""))
+            snapshot = variant_dir(name) / "nvidia-smi.txt"
+            rep.pre(snapshot.read_text() if snapshot.exists() else "no snapshot")
     if plan:
         rep.heading("Which card fits: the memory planner")
         rep.text(

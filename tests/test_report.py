@@ -31,6 +31,7 @@ FIGURES = (
     "peak_memory.png",
     "throughput.png",
     "sweep.png",
+    "gradcheck.png",
 )
 
 
