@@ -26,13 +26,14 @@ import seaborn as sns  # noqa: E402
 import yaml  # noqa: E402
 
 from stages import params  # noqa: E402
-from stages.outputs import atomic_path, read_json, write_text  # noqa: E402
+from stages.outputs import atomic_path, read_json, write_json, write_text  # noqa: E402
 from stages.paths import GRADCHECK, HARDWARE, PROVENANCE, SWEEP_PLAN, variant_dir  # noqa: E402
 from stages.planner import predict_mib  # noqa: E402
 
 REPORT_MD = Path("reports/report.md")
 REPORT_HTML = Path("reports/report.html")
 FIGURES = Path("reports/figures")
+SUMMARY = Path("reports/metrics.json")  # the metrics dvc exp show compares
 TUTORIAL = {"baseline_gb": 30.0, "accumulation_gb": 13.7, "batch": 32768, "micro": 8192, "accum": 4}
 TOLERANCE = 0.25  # a claim "holds" within 25% of what was measured
 
@@ -320,6 +321,22 @@ def claims_table(
             )
         )
     return rows
+
+
+def summary_metrics(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """reports/metrics.json: what `dvc exp show` compares across experiments, a few numbers per variant."""
+    get = {name: r["metrics"] for name, r in results.items()}
+    base, acc = get.get("baseline"), get.get("accumulation")
+    both = base and acc and base["fit"] and acc["fit"]
+    out: dict[str, Any] = {"memory_ratio": round(peak_mib(acc) / peak_mib(base), 4) if both else None}
+    for name, m in get.items():
+        out[name] = {
+            "peak_mib": round(peak_mib(m), 1) if peak_mib(m) is not None else None,
+            "loss": round(m["final_train_loss"], 4) if m["final_train_loss"] is not None else None,
+            "acc": m["test_accuracy"],
+            "img_s": round(m["images_per_second"], 1) if m["images_per_second"] is not None else None,
+        }
+    return out
 
 
 def steps_note(p: dict[str, Any], scale_name: str) -> str:
@@ -640,6 +657,7 @@ def main() -> None:
                 for c in plan["cards"]
             ]
         )
+    write_json(SUMMARY, summary_metrics(results))
     title = f"Gradient accumulation study: {hw['scale']} scale on {device}"
     write_text(REPORT_MD, rep.markdown(title))
     write_text(REPORT_HTML, rep.html(title))

@@ -86,7 +86,7 @@ def test_repro_runs_every_stage_and_renders_the_report(repo, repro: str) -> None
     state = torch.load(path / "data/models/accumulation.pt", weights_only=True)
     assert "conv_stem.weight" in state and state["conv_stem.weight"].shape[1] == 1
     html = (path / "reports/report.html").read_text()
-    assert html.count("data:image/png;base64,") == 6 and "http" not in html.split("<body>")[1].split("data:")[0]
+    assert html.count("data:image/png;base64,") == 7 and "http" not in html.split("<body>")[1].split("data:")[0]
     assert (path / "reports/figures/train_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -101,8 +101,17 @@ def test_exp_run_reruns_only_the_variants_that_follow_accum(repo, repro: str) ->
     assert ran(out) == {"hardware", "train@accumulation", "train@accum_batchnorm", "report"}
     m = json.loads((path / "reports/variants/accumulation/metrics.json").read_text())
     assert m["accum"] == 2 and m["micro_batch"] == 16
-    table = json.loads(run(["dvc", "exp", "show", "--json"], path, env))
-    assert "final_train_loss" in json.dumps(table) and "rss_peak_mib" in json.dumps(table)
+    table = json.dumps(json.loads(run(["dvc", "exp", "show", "--json"], path, env)))
+    assert "memory_ratio" in table and "peak_mib" in table and "rss_peak_mib" not in table  # the summary alone
+
+
+def test_readme_exp_show_fits_a_160_column_terminal(repo, repro: str) -> None:
+    path, env = repo
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"^(dvc exp show --no-pager .*?)\s+#", readme, re.M).group(1)
+    out = run(["bash", "-c", command], path, {**env, "COLUMNS": "160"})
+    assert "memory_ratio" in out and "accumulation" in out.replace("\n", " ")
+    assert max(len(line) for line in out.splitlines()) <= 160, out
 
 
 def test_bad_param_stops_before_any_work(repo, repro: str) -> None:

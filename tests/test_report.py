@@ -251,6 +251,23 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
             m_acc["final_train_loss"] / m_base["final_train_loss"], abs=0.005
         )
 
+    summary = yaml.safe_load((workdir / "reports/metrics.json").read_text())  # what dvc exp show compares
+    assert set(summary) == {"memory_ratio", *metrics}
+    for name, m in metrics.items():
+        assert summary[name]["peak_mib"] == pytest.approx(float(rows[name]["peak memory (MiB)"]), abs=0.05)
+        assert summary[name]["acc"] == m["test_accuracy"] and set(summary[name]) == {"peak_mib", "loss", "acc", "img_s"}
+    if device == "cpu":
+        assert summary["memory_ratio"] == pytest.approx(acc_peak / base_peak, abs=1e-4)
+    else:
+        assert summary["memory_ratio"] is None and summary["baseline"]["loss"] is None  # the baseline did not fit
+        assert "torch max reserved (MiB)" in rows["accumulation"] and "out of memory" in rows["baseline"]["why not"]
+    if device == "cpu":
+        assert md.splitlines()[2].startswith("> **CPU SCALE - not the tutorial's study")
+        assert 'class="banner">CPU SCALE' in html
+    else:
+        assert "SCALE - not the tutorial" not in md and "## nvidia-smi at each variant's peak" in md
+    assert "The tutorial's study makes only 20 optimizer steps" in md
+
     grad = md_table(md, "Is the accumulated gradient the large-batch gradient?")
     assert [float(r["relative difference"]) for r in grad] == [3e-7, 1.3]
     cards = md_table(md, "Which card fits: the memory planner")
