@@ -129,3 +129,11 @@ def test_bad_param_stops_before_any_work(repo, repro: str) -> None:
     assert "accum = 0 is not allowed; expected an integer from 1 to the effective batch size" in (
         result.stdout + result.stderr
     )
+
+
+def test_readme_sweep_queues_one_experiment_per_accum(repo, repro: str) -> None:
+    path, env = repo
+    run(["dvc", "exp", "run", "-S", "accum=range(1,9)", "--queue"], path, env)
+    status = run(["dvc", "queue", "status"], path, env)
+    assert status.count("Queued") == 8, status
+    run(["dvc", "queue", "remove", "--queued"], path, env)
