@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The full study on one CUDA GPU without DVC: the stage commands in order, from a local data folder,
-# no network. Everything it measured lands in OUT: metrics, nvidia-smi snapshots, the report.
+# no network. Everything it measured lands in OUT: metrics, nvidia-smi snapshots, PyTorch memory snapshots
+# of the first optimizer step of the baseline and the accumulation variant (GPU only), the report.
 #
 #   scripts/gpu_check.sh OUT [DATA_DIR] [-S KEY=VALUE ...]
 #   scripts/gpu_check.sh /tmp/h100 /usr/share/datasets/fashion-mnist -S data.dataset=fashion_mnist
@@ -37,7 +38,11 @@ step stages.download
 step stages.sweep
 step stages.gradcheck
 for variant in $("$python" -c "import yaml; print(' '.join(yaml.safe_load(open('params.yaml'))['variants']))"); do
-  step stages.train "$variant"
+  snapshot=()  # on a GPU: PyTorch's memory history up to the first optimizer step, for pytorch.org/memory_viz
+  case "$variant" in
+    baseline|accumulation) snapshot=(--memory-snapshot "reports/variants/$variant/memory_snapshot.pickle") ;;
+  esac
+  step stages.train "$variant" "${snapshot[@]}"
 done
 step stages.report
 rm -rf "$out/reports" && cp -r reports "$out/reports"

@@ -62,7 +62,7 @@ def parse_csv(text: str, fields: tuple[str, ...]) -> list[dict[str, float | None
 
 
 def number(text: str) -> float | None:
-    """"7242 MiB" -> 7242.0; any marker or other text -> None."""
+    """ "7242 MiB" -> 7242.0; any marker or other text -> None."""
     try:
         return float(text.split()[0])
     except (ValueError, IndexError):
@@ -232,3 +232,56 @@ class MemorySampler:
         if self.errors:
             out["sampler_errors"] = self.errors
         return out
+
+
+class FirstStepSnapshot:
+    """PyTorch's allocator history up to the end of the first optimizer step, dumped for its memory viewer.
+
+    `torch.cuda.memory._record_memory_history` records every allocation with its stack; the pickle
+    it dumps opens at https://pytorch.org/memory_viz and shows what holds memory at the peak (the
+    activations of one micro-batch, the gradients, AdamW's state). A global optimizer step hook
+    fires after the first real step (a step GradScaler skips is not one), so the loop stays as it is.
+    `start`, `dump` and `stop` default to PyTorch's CUDA functions; tests pass stand-ins.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        start: Callable[[], None] | None = None,
+        dump: Callable[[str], None] | None = None,
+        stop: Callable[[], None] | None = None,
+    ) -> None:
+        import torch
+
+        self.path = path
+        self.start = start or (lambda: torch.cuda.memory._record_memory_history(max_entries=200_000))
+        self.dump = dump or torch.cuda.memory._dump_snapshot
+        self.stop = stop or (lambda: torch.cuda.memory._record_memory_history(enabled=None))
+        self.written = False
+        self._handle: Any = None
+
+    def __enter__(self) -> FirstStepSnapshot:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.start()
+        self._handle = register_optimizer_step_post_hook(self._after_step)
+        return self
+
+    def _after_step(self, *_: object) -> None:
+        if self.written:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        self.dump(str(tmp))
+        os.replace(tmp, self.path)
+        self.written = True
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+            self.stop()
+
+    def __exit__(self, *exc: object) -> None:
+        self._finish()

@@ -630,6 +630,13 @@ def main() -> None:
             rep.text(f"{name}:" + (f" {mem['nvidia_smi_fallback']}" if mem.get("nvidia_smi_fallback") else ""))
             snapshot = variant_dir(name) / "nvidia-smi.txt"
             rep.pre(snapshot.read_text() if snapshot.exists() else "no snapshot")
+            history = variant_dir(name) / "memory_snapshot.pickle"
+            if history.exists():
+                rep.text(
+                    f"PyTorch memory snapshot of {name}'s first optimizer step: variants/{name}/{history.name} "
+                    f"({history.stat().st_size / 2**20:.1f} MiB); drop it on pytorch.org/memory_viz to see what "
+                    "held memory at the peak."
+                )
     if plan:
         rep.heading("Which card fits: the memory planner")
         rep.text(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +19,7 @@ import torch
 from stages import params, planner
 from stages.accumulation import micro_batch_size
 from stages.loop import EPOCH_COLUMNS, amp_dtype, load_data, train
-from stages.memory import TIMELINE_COLUMNS, MemorySampler
+from stages.memory import TIMELINE_COLUMNS, FirstStepSnapshot, MemorySampler
 from stages.models import build_model, count_parameters
 from stages.outputs import atomic_path, read_json, write_json, write_table, write_text
 from stages.paths import HARDWARE, PROVENANCE, SWEEP_PLAN, variant_dir, weights_path
@@ -44,7 +46,7 @@ def plan_check(p: dict[str, Any], device: torch.device, micro: int) -> dict[str,
     }
 
 
-def main(variant: str) -> None:
+def main(variant: str, memory_snapshot: Path | None = None) -> None:
     p = params.load()
     if variant not in p["variants"]:
         raise params.ParamsError(f"variant {variant!r} is not in params.yaml variants: {', '.join(p['variants'])}")
@@ -68,7 +70,8 @@ def main(variant: str) -> None:
     failure = plan_check(p, device, micro)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    with MemorySampler(device.type, p["memory"]["interval_ms"]) as sampler:
+    snapshot = FirstStepSnapshot(memory_snapshot) if memory_snapshot and device.type == "cuda" else nullcontext()
+    with MemorySampler(device.type, p["memory"]["interval_ms"]) as sampler, snapshot:
         if failure is None:
             try:
                 rows = train(
@@ -144,7 +147,14 @@ def oom_record(err: BaseException, device: torch.device) -> dict[str, Any]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variant")
+    parser.add_argument(
+        "--memory-snapshot",
+        type=Path,
+        metavar="PICKLE",
+        help="on a GPU, dump PyTorch's memory history up to the first optimizer step there (scripts/gpu_check.sh)",
+    )
+    args = parser.parse_args()
     try:
-        main(parser.parse_args().variant)
+        main(args.variant, args.memory_snapshot)
     except params.ParamsError as err:
         sys.exit(f"error: {err}")

@@ -43,6 +43,11 @@ def test_gpu_check_script_on_the_cpu_path(tmp_path: Path, fashion_dir: Path) -> 
         metrics = json.loads((reports / "variants" / variant / "metrics.json").read_text())
         assert metrics["fit"] and metrics["train_samples"] == 64
         assert (reports / "variants" / variant / "nvidia-smi.txt").is_file()
+        assert not (reports / "variants" / variant / "memory_snapshot.pickle").exists()  # CUDA only
+    for variant in ("baseline", "accumulation"):  # asked for; the stage records it on a GPU alone
+        assert f"stages.train {variant} --memory-snapshot reports/variants/{variant}/memory_snapshot.pickle" in (
+            result.stdout
+        )
     provenance = json.loads((reports / "provenance.json").read_text())
     assert provenance["kind"] == "local" and provenance["dataset"] == "fashion_mnist"
     assert (ROOT / "params.yaml").read_bytes() == before  # the checkout's params are untouched

@@ -221,3 +221,43 @@ def test_peak_rss_of_a_child_is_its_own_not_its_parents() -> None:
     child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert memory.peak_rss_mib() > 600 and child < 300
     del block
+
+
+def test_first_step_snapshot_is_dumped_once_after_the_first_real_step(tmp_path: Path) -> None:
+    """The memory history ends at the first optimizer step; a step GradScaler skips is not one."""
+    import torch
+
+    events: list[str] = []
+
+    def dump(path: str) -> None:
+        events.append("dump")
+        Path(path).write_bytes(b"pickle")
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    target = tmp_path / "variants/baseline/memory_snapshot.pickle"
+    snapshot = memory.FirstStepSnapshot(
+        target, start=lambda: events.append("start"), dump=dump, stop=lambda: events.append("stop")
+    )
+    with snapshot:
+        model(torch.ones(3, 4)).sum().backward()
+        assert events == ["start"] and not target.exists()  # no step yet: nothing dumped
+        opt.step()
+        opt.step()
+    assert events == ["start", "dump", "stop"] and target.read_bytes() == b"pickle"
+    assert not list(target.parent.glob("*.tmp"))
+    opt.step()  # the hook is gone
+    assert events == ["start", "dump", "stop"]
+
+
+def test_first_step_snapshot_stops_recording_when_no_step_ran(tmp_path: Path) -> None:
+    events: list[str] = []
+    with pytest.raises(RuntimeError):
+        with memory.FirstStepSnapshot(
+            tmp_path / "s.pickle",
+            start=lambda: events.append("start"),
+            dump=lambda p: events.append("dump"),
+            stop=lambda: events.append("stop"),
+        ):
+            raise RuntimeError("out of memory before the first step")
+    assert events == ["start", "stop"] and not (tmp_path / "s.pickle").exists()

@@ -103,6 +103,11 @@ def test_exp_run_reruns_only_the_variants_that_follow_accum(repo, repro: str) ->
     assert m["accum"] == 2 and m["micro_batch"] == 16
     table = json.dumps(json.loads(run(["dvc", "exp", "show", "--json"], path, env)))
     assert "memory_ratio" in table and "peak_mib" in table and "rss_peak_mib" not in table  # the summary alone
+    exp = run(["dvc", "exp", "list", "--name-only"], path, env).split()[0]
+    plots = json.loads(run(["dvc", "plots", "diff", exp, "--json"], path, env))["data"]
+    for name in ("train_loss", "test_accuracy", "memory", "sweep"):  # dvc.yaml's top-level plots, across revisions
+        assert set(plots[name][0]["revisions"]) == {"workspace", exp}
+        assert plots[name][0]["content"]["data"]["values"], name
 
 
 def test_readme_exp_show_fits_a_160_column_terminal(repo, repro: str) -> None:

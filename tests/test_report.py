@@ -142,6 +142,8 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
     peaks = {"baseline": 30700.0, "accumulation": 14000.0, "groupnorm": 29900.0, "accum_batchnorm": 14500.0}
     too_big = "baseline" if device == "cuda" else "accum_batchnorm"  # the tutorial's case on a 24 GB card; a budget
     metrics = {n: variant_outputs(root, n, device, batch, fit=n != too_big, peak=peaks[n]) for n in p["variants"]}
+    if device == "cuda":  # what scripts/gpu_check.sh leaves for PyTorch's memory viewer
+        (root / "reports/variants/accumulation/memory_snapshot.pickle").write_bytes(b"\x80" * 2**20)
     fit = {"fixed_mib": 1200.0, "per_sample_mib": 1.6, "r2": 0.999}
     points = [{"micro_batch": m, "fit": True, "peak_mib": 1200 + 1.6 * m} for m in (256, 1024, 4096)]
     points.append({"micro_batch": 32768, "fit": False, "peak_mib": None, "error": "out of memory"})
@@ -266,6 +268,8 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
         assert 'class="banner">CPU SCALE' in html
     else:
         assert "SCALE - not the tutorial" not in md and "## nvidia-smi at each variant's peak" in md
+        assert "memory snapshot of accumulation's first optimizer step: variants/accumulation/memory_snap" in md
+        assert "(1.0 MiB)" in md and "memory snapshot of baseline" not in md
     assert "The tutorial's study makes only 20 optimizer steps" in md
 
     grad = md_table(md, "Is the accumulated gradient the large-batch gradient?")
