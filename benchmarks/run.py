@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from stages import mnist, params, planner
-from stages.accumulation import micro_batch_size, windows
+from stages.accumulation import micro_batch_size, schedule
 from stages.hardware import cpu_name
 from stages.loop import amp_dtype, train_epoch
 from stages.memory import MemorySampler
@@ -109,7 +109,7 @@ def bench_loops(p, device, s, arrays, repeats: int) -> dict[str, Any]:
             pin_memory=device.type == "cuda",
         )
         model, opt, scaler, dtype = setup(p, device, norm="batch")
-        plan = windows(n, micro, accum)
+        plan = schedule(n, micro, accum)
         ours_fn = lambda: train_epoch(model, opt, scaler, images, labels, torch.randperm(n, device=device), plan, dtype)  # noqa: E731
         theirs_fn = lambda: tutorial_loop(model, opt, scaler, loader, accum, device, dtype)  # noqa: E731
         ours_fn(), theirs_fn()  # warm-up: workers started, kernels chosen
@@ -141,7 +141,7 @@ def bench_accum(p, device, s, arrays, repeats: int) -> dict[str, Any]:
                 images,
                 labels,
                 torch.arange(n, device=device),
-                windows(n, micro_batch_size(batch, a), a),
+                schedule(n, micro_batch_size(batch, a), a),
                 dtype,
             )
         )
@@ -167,7 +167,7 @@ def bench_sampler(p, device, s, arrays, repeats: int) -> dict[str, Any]:
     n, micro = s["images"], s["micro"]
     images, labels = on_device(arrays, n, device)
     model, opt, scaler, dtype = setup(p, device)
-    plan = windows(n, micro, 1)
+    plan = schedule(n, micro, 1)
 
     def plain() -> None:
         train_epoch(model, opt, scaler, images, labels, torch.arange(n, device=device), plan, dtype)

@@ -4,6 +4,7 @@ An optimizer step must see the gradient of the mean loss over its whole window o
 Each micro-batch's mean loss is weighted by its share of the window's samples, so a short last
 micro-batch or a short last window counts exactly; dividing by `accum` (the tutorial) does not.
 Windows never cross an epoch boundary, so no gradient leaks into the next epoch's first step.
+`schedule` can also reproduce the tutorial's loop as written, to measure what the corrections change.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+WEIGHTINGS = ("exact", "divide")  # exact: each micro-batch's share of its window; divide: 1 / accum (the tutorial)
+
 
 @dataclass(frozen=True)
 class MicroBatch:
     start: int
     stop: int
-    weight: float  # (stop - start) / samples in its window
+    weight: float  # what its mean loss is multiplied by: (stop - start) / samples in its window, when exact
+    step: bool = False  # an optimizer step follows this micro-batch
 
 
 def micro_batch_size(batch: int, accum: int) -> int:
@@ -37,21 +41,42 @@ def windows(n: int, micro: int, accum: int) -> list[list[MicroBatch]]:
     result = []
     for group in groups:
         samples = group[-1][1] - group[0][0]
-        result.append([MicroBatch(a, b, (b - a) / samples) for a, b in group])
+        result.append([MicroBatch(a, b, (b - a) / samples, step=(a, b) == group[-1]) for a, b in group])
     return result
+
+
+def schedule(n: int, micro: int, accum: int, weighting: str = "exact", epoch_end_step: bool = True) -> list[MicroBatch]:
+    """One epoch's micro-batches in order, each with its loss weight and whether a step follows it.
+
+    The defaults are exact accumulation (`windows`, flattened). weighting="divide" with
+    epoch_end_step=False is the tutorial's loop as written: `loss / accum`, a step when
+    `(i + 1) % accum == 0`, and none at the epoch's end, so the last micro-batches' gradients are
+    carried into the next epoch's first step (and the last epoch's are never applied).
+    """
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
+    plan = []
+    for window in windows(n, micro, accum):
+        for mb in window:
+            weight = mb.weight if weighting == "exact" else 1 / accum
+            step = mb.step and (len(window) == accum or epoch_end_step)
+            plan.append(MicroBatch(mb.start, mb.stop, weight, step))
+    return plan
 
 
 def steps_per_epoch(n: int, micro: int, accum: int) -> int:
     return math.ceil(math.ceil(n / micro) / accum)
 
 
-def accumulated_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, accum: int) -> torch.Tensor:
+def accumulated_gradient(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, accum: int, weighting: str = "exact"
+) -> torch.Tensor:
     """The gradient one optimizer step would see for batch (x, y) split into `accum` micro-batches.
 
     Flattened into one vector, so two ways of computing it can be compared with one norm.
     """
     model.zero_grad(set_to_none=True)
-    for mb in windows(len(y), micro_batch_size(len(y), accum), accum)[0]:
+    for mb in schedule(len(y), micro_batch_size(len(y), accum), accum, weighting):
         loss = F.cross_entropy(model(x[mb.start : mb.stop]), y[mb.start : mb.stop])
         (loss * mb.weight).backward()
     grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])

@@ -2,7 +2,9 @@
 
 On one fixed batch, ||g_accum - g_full|| / ||g_full|| for several accum values (divisors and
 not), with GroupNorm (per-sample, so equal up to float32 rounding) and BatchNorm (normalizes
-each micro-batch by its own statistics, so it differs). Float32 throughout, TF32 off.
+each micro-batch by its own statistics, so it differs). GroupNorm also with the tutorial's
+weighting (loss / accum): equal while every micro-batch is full, off when the last one is short
+(accum 7: micro-batches of 14, the last 12). Float32 throughout, TF32 off.
 """
 
 from __future__ import annotations
@@ -32,23 +34,30 @@ def main() -> None:
     x = normalize(torch.from_numpy(arrays["train_x"][:BATCH]).to(device))
     y = torch.from_numpy(arrays["train_y"][:BATCH]).long().to(device)
     rows = []
-    for norm in ("group", "batch"):
+    for norm, weighting in (("group", "exact"), ("batch", "exact"), ("group", "divide")):
         model = build_model(**p["model"], norm=norm, seed=p["seed"]).to(device).train()
         full = accumulated_gradient(model, x, y, 1)
         for accum in ACCUMS:
-            diff = relative_difference(accumulated_gradient(model, x, y, accum), full)
+            diff = relative_difference(accumulated_gradient(model, x, y, accum, weighting), full)
             rows.append(
                 {
                     "norm": norm,
+                    "weighting": weighting,
                     "accum": accum,
                     "micro_batch": micro_batch_size(BATCH, accum),
                     "relative_difference": diff,
                 }
             )
-            print(f"gradcheck: {norm}norm accum {accum}: ||g_accum - g_full|| / ||g_full|| = {diff:.3e}")
-    group = [r["relative_difference"] for r in rows if r["norm"] == "group"]
-    batch = [r["relative_difference"] for r in rows if r["norm"] == "batch" and r["accum"] > 1]
-    write_table(GRADCHECK_TSV, rows, ("norm", "accum", "micro_batch", "relative_difference"))
+            print(
+                f"gradcheck: {norm}norm, {weighting} weighting, accum {accum}: "
+                f"||g_accum - g_full|| / ||g_full|| = {diff:.3e}"
+            )
+
+    def diffs(norm: str, weighting: str) -> list[float]:
+        return [r["relative_difference"] for r in rows if (r["norm"], r["weighting"]) == (norm, weighting)]
+
+    group, batch, divide = diffs("group", "exact"), diffs("batch", "exact")[1:], diffs("group", "divide")
+    write_table(GRADCHECK_TSV, rows, ("norm", "weighting", "accum", "micro_batch", "relative_difference"))
     write_json(
         GRADCHECK,
         {
@@ -60,6 +69,10 @@ def main() -> None:
             "groupnorm_equal": max(group) <= TOLERANCE,
             "batchnorm_min": min(batch),
             "batchnorm_differs": min(batch) > TOLERANCE,
+            "tutorial_weighting_max": max(divide),  # GroupNorm, loss / accum: off only where a micro-batch is short
+            "tutorial_weighting_short_accum": [
+                r["accum"] for r in rows if r["weighting"] == "divide" and BATCH % r["micro_batch"] != 0
+            ],
             "rows": rows,
         },
     )

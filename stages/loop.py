@@ -1,5 +1,5 @@
 """The training loop, read in one screen: micro-batches weighted by their share of the window,
-one optimizer step per window, GradScaler stepping only at window ends.
+one optimizer step when a window is complete, GradScaler stepping only then.
 
 Library code: the `train@<variant>` stage, the sweep, the gradient check and the benchmarks all
 run this loop, so what they measure is what the study trains with.
@@ -17,7 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from stages import mnist
-from stages.accumulation import MicroBatch, micro_batch_size, windows
+from stages.accumulation import MicroBatch, micro_batch_size, schedule
 from stages.paths import DATASET
 
 EPOCH_COLUMNS = (
@@ -50,27 +50,28 @@ def train_epoch(
     images: torch.Tensor,
     labels: torch.Tensor,
     perm: torch.Tensor,
-    plan: list[list[MicroBatch]],
+    plan: list[MicroBatch],
     dtype: torch.dtype | None,
     progress: bool = False,
 ) -> tuple[float, int, int]:
     """One epoch; returns (mean training loss over samples, optimizer steps, steps the scaler skipped)."""
     model.train()
     loss_sum = torch.zeros((), device=images.device)
-    skipped = 0
-    for window in tqdm(plan, desc="  steps", unit="step", leave=False, disable=None if progress else True):
-        for mb in window:
-            idx = perm[mb.start : mb.stop]
-            with torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None):
-                loss = F.cross_entropy(model(normalize(images[idx])), labels[idx])
-            scaler.scale(loss * mb.weight).backward()  # weight = this micro-batch's share of the window
-            loss_sum += loss.detach().float() * (mb.stop - mb.start)
-        scale = scaler.get_scale()
-        scaler.step(opt)  # skipped inside when the scaled gradients hold inf/NaN
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        skipped += int(scaler.is_enabled() and scaler.get_scale() < scale)
-    return float(loss_sum) / len(perm), len(plan), skipped
+    steps = skipped = 0
+    for mb in tqdm(plan, desc="  micro-batches", leave=False, disable=None if progress else True):
+        idx = perm[mb.start : mb.stop]
+        with torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(model(normalize(images[idx])), labels[idx])
+        scaler.scale(loss * mb.weight).backward()  # weight: this micro-batch's share of its window
+        loss_sum += loss.detach().float() * (mb.stop - mb.start)
+        if mb.step:  # the window is complete: one optimizer step on its accumulated gradient
+            scale = scaler.get_scale()
+            scaler.step(opt)  # skipped inside when the scaled gradients hold inf/NaN
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            steps += 1
+            skipped += int(scaler.is_enabled() and scaler.get_scale() < scale)
+    return float(loss_sum) / len(perm), steps, skipped
 
 
 @torch.no_grad()
@@ -101,14 +102,19 @@ def train(
     seed: int,
     dtype: torch.dtype | None,
     eval_batch: int,
+    weighting: str = "exact",
+    epoch_end_step: bool = True,
     progress: bool = False,
 ) -> list[dict[str, Any]]:
-    """The whole run; per epoch: loss, test accuracy, steps and speed (evaluation not timed)."""
+    """The whole run; per epoch: loss, test accuracy, steps and speed (evaluation not timed).
+
+    `weighting` and `epoch_end_step` other than the defaults reproduce the tutorial's loop (see `schedule`).
+    """
     device = data["train_x"].device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     n = len(data["train_y"])
-    plan = windows(n, micro_batch_size(batch, accum), accum)  # the same split every epoch; the order changes
+    plan = schedule(n, micro_batch_size(batch, accum), accum, weighting, epoch_end_step)  # same split each epoch
     shuffle = torch.Generator().manual_seed(seed)
     rows = []
     for epoch in tqdm(range(1, epochs + 1), desc="epochs", unit="epoch", disable=None if progress else True):

@@ -8,17 +8,18 @@ from timm.layers import BatchNormAct2d, GroupNormAct
 from torch import nn
 
 
-def batchnorm_to_groupnorm(module: nn.Module, num_groups: int) -> nn.Module:
+def batchnorm_to_groupnorm(module: nn.Module, num_groups: int, keep_act: bool = True) -> nn.Module:
     """Swap every BatchNorm2d for GroupNorm(num_groups), in place, keeping what else the layer did.
 
-    timm fuses the activation into the norm (BatchNormAct2d: norm, then SiLU). A plain
-    `nn.GroupNorm` in its place, as the tutorial's swap does, silently drops 49 activations of
-    efficientnet_b0; GroupNormAct keeps them. Affine weights carry over, so the parameter
-    count is unchanged (GroupNorm has one scale and shift per channel, like BatchNorm).
+    timm fuses the activation into the norm (BatchNormAct2d: norm, then SiLU or Identity). A
+    plain `nn.GroupNorm` in its place, as the tutorial's swap does (keep_act=False), silently
+    drops those 49 activation modules of efficientnet_b0, 33 of them SiLU; GroupNormAct keeps
+    them. Affine weights carry over, so the parameter count is unchanged (GroupNorm has one
+    scale and shift per channel, like BatchNorm).
     """
     for name, child in module.named_children():
         if isinstance(child, nn.BatchNorm2d):
-            if isinstance(child, BatchNormAct2d):
+            if isinstance(child, BatchNormAct2d) and keep_act:
                 new: nn.Module = GroupNormAct(child.num_features, num_groups, eps=child.eps, affine=child.affine)
                 new.drop, new.act = child.drop, child.act
             else:
@@ -29,16 +30,27 @@ def batchnorm_to_groupnorm(module: nn.Module, num_groups: int) -> nn.Module:
                     new.bias.copy_(child.bias)
             setattr(module, name, new)
         else:
-            batchnorm_to_groupnorm(child, num_groups)
+            batchnorm_to_groupnorm(child, num_groups, keep_act)
     return module
 
 
-def build_model(name: str, in_chans: int, num_classes: int, norm: str, group_norm_groups: int, seed: int) -> nn.Module:
-    """Same seed, same initial weights for every variant; never downloads (pretrained=False)."""
+def build_model(
+    name: str,
+    in_chans: int,
+    num_classes: int,
+    norm: str,
+    group_norm_groups: int,
+    seed: int,
+    swap: str = "keep_act",
+) -> nn.Module:
+    """Same seed, same initial weights for every variant; never downloads (pretrained=False).
+
+    swap="plain" is the tutorial's BatchNorm -> nn.GroupNorm swap, which drops timm's fused activations.
+    """
     torch.manual_seed(seed)
     model = timm.create_model(name, pretrained=False, in_chans=in_chans, num_classes=num_classes)
     if norm == "group":
-        batchnorm_to_groupnorm(model, group_norm_groups)
+        batchnorm_to_groupnorm(model, group_norm_groups, keep_act=swap == "keep_act")
     return model
 
 

@@ -109,6 +109,18 @@ class Variant(Section):
     accum: int | Literal["accum"] = _allowed("a positive integer, or accum (follow the top-level key)")
     lr: PositiveNumber
     extra: str = _allowed("the one more top-level key this variant's stage depends on")
+    # The three corrections to the tutorial's code, each a switch (the defaults are the corrected code):
+    weighting: Literal["exact", "divide"] = _allowed(
+        "one of exact (each micro-batch's share of its window), divide (loss / accum, the tutorial)", default="exact"
+    )
+    epoch_end_step: bool = _allowed(
+        "true (every epoch ends with a step) or false (the tutorial: the rest carries into the next epoch)",
+        default=True,
+    )
+    swap: Literal["keep_act", "plain"] = _allowed(
+        "one of keep_act (GroupNormAct keeps timm's fused activation), plain (nn.GroupNorm, the tutorial)",
+        default="keep_act",
+    )
 
     @field_validator("accum", mode="before")
     @classmethod
@@ -210,9 +222,10 @@ def check(values: Any) -> dict[str, Any]:
     if not isinstance(values, dict):
         _fail("the top level", values, "expected a mapping of the keys " + ", ".join(Params.model_fields))
     try:
-        Params.model_validate(values)
+        valid = Params.model_validate(values)
     except ValidationError as err:
         raise ParamsError(_message(err.errors()[0])) from None
+    values["variants"] = {name: v.model_dump() for name, v in valid.variants.items()}  # switches' defaults filled
     for name, variant in values["variants"].items():
         extra = variant["extra"]
         if extra not in values:

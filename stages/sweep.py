@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from stages import params, planner
-from stages.accumulation import windows
+from stages.accumulation import schedule
 from stages.loop import amp_dtype, train_epoch
 from stages.memory import MIB, peak_rss_mib
 from stages.models import build_model
@@ -54,7 +54,7 @@ def measure_point(p: dict[str, Any], device: torch.device, micro: int) -> dict[s
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
-        train_epoch(model, opt, scaler, images, labels, torch.arange(n, device=device), windows(n, micro, 1), dtype)
+        train_epoch(model, opt, scaler, images, labels, torch.arange(n, device=device), schedule(n, micro, 1), dtype)
     except torch.OutOfMemoryError as err:
         row.update(fit=False, error=str(err).splitlines()[0][:200])
     row["rss_peak_mib"] = round(peak_rss_mib(), 1)

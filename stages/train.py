@@ -24,6 +24,8 @@ from stages.models import build_model, count_parameters
 from stages.outputs import atomic_path, read_json, write_json, write_table, write_text
 from stages.paths import HARDWARE, PROVENANCE, SWEEP_PLAN, variant_dir, weights_path
 
+CORRECTED = {"weighting": "exact", "epoch_end_step": True, "swap": "keep_act"}  # the tutorial's code differs in each
+
 
 def resolved_accum(p: dict[str, Any]) -> int | None:
     return read_json(SWEEP_PLAN)["auto_accum"] if p["accum"] == "auto" else None
@@ -59,10 +61,12 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
     micro = micro_batch_size(scale["batch"], accum)
     dtype = amp_dtype(device, p["train"])
     data = load_data(device, scale["train_samples"], scale["test_samples"])
-    model = build_model(**p["model"], norm=v["norm"], seed=p["seed"]).to(device)
+    model = build_model(**p["model"], norm=v["norm"], seed=p["seed"], swap=v["swap"]).to(device)
+    tutorial = [f"{k}: {v[k]}" for k, exact in CORRECTED.items() if v[k] != exact]
     print(
         f"train@{variant}: {v['norm']}norm, accum {accum} x micro-batch {micro} = batch {scale['batch']}, "
-        f"lr {v['lr']}, {hw['scale']} scale on {device}, {p['train']['amp_' + device.type]}",
+        f"lr {v['lr']}, {hw['scale']} scale on {device}, {p['train']['amp_' + device.type]}"
+        + (f"; as the tutorial wrote it: {', '.join(tutorial)}" if tutorial else ""),
         flush=True,
     )
 
@@ -85,6 +89,8 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
                     seed=p["seed"],
                     dtype=dtype,
                     eval_batch=min(p["train"]["eval_batch"], micro),  # what fits for training fits here
+                    weighting=v["weighting"],
+                    epoch_end_step=v["epoch_end_step"],
                     progress=True,
                 )
             except torch.OutOfMemoryError as err:  # a result, not a crash: the tutorial's baseline on a small card
@@ -98,6 +104,7 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
     metrics = {
         "variant": variant,
         "norm": v["norm"],
+        **{key: v[key] for key in CORRECTED},
         "accum": accum,
         "accum_setting": v["accum"] if v["accum"] != "accum" else p["accum"],  # "auto" resolved into accum
         "micro_batch": micro,

@@ -13,6 +13,7 @@ from stages.accumulation import (
     accumulated_gradient,
     micro_batch_size,
     relative_difference,
+    schedule,
     steps_per_epoch,
     windows,
 )
@@ -106,3 +107,25 @@ def test_micro_batch_is_ceil(batch: int, accum: int, micro: int) -> None:
 def test_micro_batch_rejects_out_of_range(accum: int) -> None:
     with pytest.raises(ValueError, match="from 1 to the batch size 1024"):
         micro_batch_size(1024, accum)
+
+
+def test_tutorial_schedule_divides_by_accum_and_carries_the_rest() -> None:
+    """70 samples, micro-batches of 10, accum 3: steps after the 3rd and 6th; the 7th is carried over."""
+    tutorial = schedule(70, 10, 3, weighting="divide", epoch_end_step=False)
+    assert [mb.step for mb in tutorial] == [False, False, True] * 2 + [False]
+    assert all(mb.weight == pytest.approx(1 / 3) for mb in tutorial)
+    exact = schedule(70, 10, 3)
+    assert [mb.step for mb in exact] == [False, False, True] * 2 + [True]  # every epoch ends with a step
+    assert exact[-1].weight == 1.0 and [mb.start for mb in exact] == [mb.start for mb in tutorial]
+    flushed = schedule(70, 10, 3, weighting="divide", epoch_end_step=True)
+    assert flushed[-1].step and flushed[-1].weight == pytest.approx(1 / 3)  # one correction alone
+    with pytest.raises(ValueError, match="weighting must be one of exact, divide"):
+        schedule(70, 10, 3, weighting="mean")
+
+
+def test_tutorial_weighting_is_off_on_a_short_micro_batch(gn_model: nn.Module, batch) -> None:
+    x, y = batch  # 24 samples: accum 5 gives micro-batches of 5, 5, 5, 5 and a short 4; accum 3 gives 8, 8, 8
+    full = accumulated_gradient(gn_model, x, y, 1)
+    assert relative_difference(accumulated_gradient(gn_model, x, y, 5, weighting="divide"), full) > 1e-3
+    assert relative_difference(accumulated_gradient(gn_model, x, y, 5), full) <= 1e-5
+    assert relative_difference(accumulated_gradient(gn_model, x, y, 3, weighting="divide"), full) <= 1e-5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from timm.layers import GroupNormAct
 from torch import nn
 
 from stages.models import batchnorm_to_groupnorm, build_model, count_parameters
@@ -57,3 +58,23 @@ def test_gradient_does_not_depend_on_batch_with_groupnorm(models: tuple[nn.Modul
     gn.eval()
     with torch.no_grad():
         assert torch.allclose(gn(x)[:2], gn(x[:2]), atol=1e-5)  # per-sample: no mixing across the batch
+
+
+def test_the_tutorials_plain_swap_drops_the_fused_activations(models: tuple[nn.Module, nn.Module]) -> None:
+    _, kept = models
+    plain = build_model(**ARGS, norm="group", group_norm_groups=1, swap="plain")
+
+    def count(model: nn.Module, kinds: tuple[type, ...]) -> int:
+        return sum(isinstance(m, kinds) for m in model.modules())
+
+    def fused_acts(model: nn.Module) -> list[nn.Module]:
+        return [m.act for m in model.modules() if isinstance(m, GroupNormAct)]
+
+    assert len(fused_acts(kept)) - len(fused_acts(plain)) == 49  # one activation per norm layer, all gone
+    assert count(kept, (nn.SiLU,)) - count(plain, (nn.SiLU,)) == 33  # 33 of them SiLU, 16 Identity
+    assert sum(isinstance(a, nn.SiLU) for a in fused_acts(kept)) == 33
+    assert count(plain, (nn.GroupNorm,)) == 49 and count_parameters(plain) == count_parameters(kept)
+    x = torch.randn(2, 1, 28, 28)
+    kept.eval(), plain.eval()
+    with torch.no_grad():
+        assert not torch.allclose(kept(x), plain(x), atol=1e-3)  # same weights, another function

@@ -207,3 +207,19 @@ def test_schema_file_is_current_and_accepts_params_yaml() -> None:
     schema = json.loads(written)
     assert schema["additionalProperties"] is False and set(schema["required"]) == set(DEFAULTS)
     assert schema["$defs"]["Scale"]["properties"]["batch"]["minimum"] == 1
+
+
+def test_tutorial_switches_default_to_the_corrected_code() -> None:
+    p = params.check(copy.deepcopy(DEFAULTS))
+    assert p["variants"]["accumulation"] | {} == {
+        **DEFAULTS["variants"]["accumulation"],
+        "weighting": "exact",
+        "epoch_end_step": True,
+        "swap": "keep_act",
+    }
+    tutorial = p["variants"]["tutorial_accumulation"]
+    assert (tutorial["weighting"], tutorial["epoch_end_step"], tutorial["swap"]) == ("divide", False, "plain")
+    msg = error_for(with_change("variants.tutorial_accumulation.weighting", "mean"))
+    assert "variants.tutorial_accumulation.weighting = 'mean' is not allowed; expected one of exact" in msg
+    msg = error_for(with_change("variants.accumulation.epoch_end_step", "no"))
+    assert "variants.accumulation.epoch_end_step = 'no' is not allowed; expected true" in msg and "got a str" in msg

@@ -13,7 +13,7 @@ from torch import nn
 
 from stages import loop, mnist
 from stages import train as train_stage
-from stages.accumulation import windows
+from stages.accumulation import schedule
 from stages.outputs import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def test_scaler_steps_only_at_window_boundaries() -> None:
     scaler = SpyScaler()
     opt = torch.optim.AdamW(model.parameters())
     images, labels = torch.randint(0, 256, (70, 28, 28), dtype=torch.uint8), torch.randint(0, 10, (70,))
-    plan = windows(70, 10, 3)  # 7 micro-batches: windows of 3, 3, 1
+    plan = schedule(70, 10, 3)  # 7 micro-batches: windows of 3, 3, 1
     _, steps, skipped = loop.train_epoch(model, opt, scaler, images, labels, torch.arange(70), plan, None)
     assert steps == 3 and skipped == 0
     assert scaler.events == ["backward"] * 3 + ["step"] + ["backward"] * 3 + ["step"] + ["backward", "step"]
@@ -72,7 +72,9 @@ def test_skipped_steps_are_counted() -> None:
     opt = torch.optim.AdamW(model.parameters())
     images, labels = torch.randint(0, 256, (40, 28, 28), dtype=torch.uint8), torch.randint(0, 10, (40,))
     before = [p.clone() for p in model.parameters()]
-    _, steps, skipped = loop.train_epoch(model, opt, scaler, images, labels, torch.arange(40), windows(40, 10, 2), None)
+    _, steps, skipped = loop.train_epoch(
+        model, opt, scaler, images, labels, torch.arange(40), schedule(40, 10, 2), None
+    )
     assert steps == 2 and skipped == 2
     assert all(torch.equal(a, b) for a, b in zip(before[:2], list(model.parameters())[:2], strict=True))
 
@@ -170,3 +172,23 @@ def test_accum_auto_resolves_from_the_planner(workdir: Path, monkeypatch: pytest
     assert metrics["micro_batch"] == -(-CPU_BATCH // 3)  # ceil(batch / 3)
     train_stage.main("baseline")  # a variant with its own accum ignores auto
     assert seen["accum"] == 1
+
+
+def test_tutorial_loop_carries_gradient_into_the_next_epoch() -> None:
+    """accum 3 over 7 micro-batches: the 7th is never stepped in its epoch, so epoch 2's first step sums 4."""
+    model = tiny_model()
+    scaler = SpyScaler()
+    opt = torch.optim.AdamW(model.parameters())
+    images, labels = torch.randint(0, 256, (70, 28, 28), dtype=torch.uint8), torch.randint(0, 10, (70,))
+    plan = schedule(70, 10, 3, weighting="divide", epoch_end_step=False)
+    for _ in range(2):
+        _, steps, _ = loop.train_epoch(model, opt, scaler, images, labels, torch.arange(70), plan, None)
+        assert steps == 2
+        assert all(p.grad is not None for p in model.parameters())  # the leftover gradient waits for epoch 2
+    per_step = [len(run) for run in "".join("b" if e == "backward" else "|" for e in scaler.events).split("|")]
+    assert per_step == [3, 3, 4, 3, 1]  # epoch 2's first step: 1 carried micro-batch + 3; the last is never applied
+
+    model, scaler = tiny_model(), SpyScaler()
+    opt = torch.optim.AdamW(model.parameters())
+    loop.train_epoch(model, opt, scaler, images, labels, torch.arange(70), schedule(70, 10, 3), None)
+    assert all(p.grad is None for p in model.parameters())  # exact: the epoch ends with a step, nothing carried
