@@ -200,7 +200,7 @@ def variants_table(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def code_label(m: dict[str, Any]) -> str:
-    """Which of the tutorial's three mistakes a variant ran with; "corrected" when none."""
+    """Which of the tutorial's three mistakes a variant ran with; "exact" when none."""
     kept = [
         text
         for key, corrected, text in (
@@ -210,7 +210,7 @@ def code_label(m: dict[str, Any]) -> str:
         )
         if m.get(key, corrected) != corrected and text
     ]
-    return "tutorial: " + ", ".join(kept) if kept else "corrected"
+    return "tutorial: " + ", ".join(kept) if kept else "exact"
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

@@ -284,7 +284,7 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
         assert "(1.0 MiB)" in md and "memory snapshot of baseline" not in md
     assert "The tutorial's study makes only 20 optimizer steps" in md
     assert rows["tutorial_accumulation"]["code"] == "tutorial: loss / accum, no step at epoch end, plain GroupNorm swap"
-    assert rows["accumulation"]["code"] == "corrected" and rows["baseline"]["code"] == "corrected"
+    assert rows["accumulation"]["code"] == "exact" and rows["baseline"]["code"] == "exact"
     tut_row = next(r for c, r in claims.items() if c.startswith("(this study) the tutorial's accumulation code"))
     assert "the corrections change the final loss by" in tut_row["verdict"]
 
