@@ -477,6 +477,7 @@ def figures(rep: Report, results: dict[str, dict[str, Any]], plan: dict[str, Any
             ax.bar(order, heights, bottom=bottoms, label=part, color=color)
             bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     ax.set(ylabel=memory_label(device))
+    ax.tick_params(axis="x", labelrotation=25)
     ax.legend(bbox_to_anchor=(1.02, 1), loc="upper left", fontsize="small")
     rep.figure(
         "peak_memory.png",
@@ -495,6 +496,7 @@ def figures(rep: Report, results: dict[str, dict[str, Any]], plan: dict[str, Any
         {"variant": order, "images/s": [results[n]["metrics"]["images_per_second"] or 0 for n in order]}
     )
     sns.barplot(speed, x="variant", y="images/s", hue="variant", ax=ax)
+    ax.tick_params(axis="x", labelrotation=25)
     rep.figure("throughput.png", fig, "Training throughput per variant (median over epochs; evaluation not timed).")
 
     if plan:
