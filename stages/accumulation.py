@@ -45,21 +45,36 @@ def windows(n: int, micro: int, accum: int) -> list[list[MicroBatch]]:
     return result
 
 
-def schedule(n: int, micro: int, accum: int, weighting: str = "exact", epoch_end_step: bool = True) -> list[MicroBatch]:
-    """One epoch's micro-batches in order, each with its loss weight and whether a step follows it.
+def schedule(
+    n: int,
+    micro: int,
+    accum: int,
+    weighting: str = "exact",
+    epoch_end_step: bool = True,
+    rank: int = 0,
+    world: int = 1,
+) -> list[MicroBatch]:
+    """One epoch's micro-batches in order (this rank's), each with its loss weight and whether a step follows.
 
     The defaults are exact accumulation (`windows`, flattened). weighting="divide" with
     epoch_end_step=False is the tutorial's loop as written: `loss / accum`, a step when
     `(i + 1) % accum == 0`, and none at the epoch's end, so the last micro-batches' gradients are
     carried into the next epoch's first step (and the last epoch's are never applied).
+
+    With world > 1 (DDP) a window holds accum x world micro-batches and rank r takes every world-th
+    one, from the r-th. DDP averages the ranks' gradients, so exact weights are multiplied by world.
+    A rank left without a micro-batch in a short last window runs one sample at weight 0: every rank
+    must join the window's all-reduce.
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
     plan = []
-    for window in windows(n, micro, accum):
-        for mb in window:
-            weight = mb.weight if weighting == "exact" else 1 / accum
-            step = mb.step and (len(window) == accum or epoch_end_step)
+    for window in windows(n, micro, accum * world):
+        mine = window[rank::world] or [MicroBatch(window[0].start, window[0].start + 1, 0.0)]
+        full = len(window) == accum * world
+        for i, mb in enumerate(mine):
+            weight = mb.weight * world if weighting == "exact" else (1 / accum if mb.weight else 0.0)
+            step = i == len(mine) - 1 and (full or epoch_end_step)
             plan.append(MicroBatch(mb.start, mb.stop, weight, step))
     return plan
 

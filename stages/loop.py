@@ -8,15 +8,17 @@ run this loop, so what they measure is what the study trains with.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from stages import mnist
+from stages import distributed, mnist
 from stages.accumulation import MicroBatch, micro_batch_size, schedule
 from stages.paths import DATASET
 
@@ -53,17 +55,26 @@ def train_epoch(
     plan: list[MicroBatch],
     dtype: torch.dtype | None,
     progress: bool = False,
+    no_sync: bool = True,
 ) -> tuple[float, int, int]:
-    """One epoch; returns (mean training loss over samples, optimizer steps, steps the scaler skipped)."""
+    """One epoch; returns (mean training loss over samples, optimizer steps, steps the scaler skipped).
+
+    Under DDP the gradients are all-reduced once per window: every micro-batch before the window's
+    last runs forward and backward inside `no_sync()` (no_sync=False all-reduces each one, to compare).
+    """
     model.train()
-    loss_sum = torch.zeros((), device=images.device)
+    loss_sum, samples = torch.zeros((), device=images.device), 0
     steps = skipped = 0
     for mb in tqdm(plan, desc="  micro-batches", leave=False, disable=None if progress else True):
         idx = perm[mb.start : mb.stop]
-        with torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None):
-            loss = F.cross_entropy(model(normalize(images[idx])), labels[idx])
-        scaler.scale(loss * mb.weight).backward()  # weight: this micro-batch's share of its window
-        loss_sum += loss.detach().float() * (mb.stop - mb.start)
+        quiet = isinstance(model, DDP) and no_sync and not mb.step
+        with model.no_sync() if quiet else nullcontext():  # the forward too: DDP prepares the all-reduce there
+            with torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None):
+                loss = F.cross_entropy(model(normalize(images[idx])), labels[idx])
+            scaler.scale(loss * mb.weight).backward()  # weight: this micro-batch's share of its window
+        if mb.weight:  # weight 0: a stand-in so that a rank with no samples left still joins the all-reduce
+            loss_sum += loss.detach().float() * (mb.stop - mb.start)
+            samples += mb.stop - mb.start
         if mb.step:  # the window is complete: one optimizer step on its accumulated gradient
             scale = scaler.get_scale()
             scaler.step(opt)  # skipped inside when the scaled gradients hold inf/NaN
@@ -71,7 +82,8 @@ def train_epoch(
             opt.zero_grad(set_to_none=True)
             steps += 1
             skipped += int(scaler.is_enabled() and scaler.get_scale() < scale)
-    return float(loss_sum) / len(perm), steps, skipped
+    total, samples = distributed.all_sum(float(loss_sum), samples)  # every rank's samples
+    return total / samples, steps, skipped
 
 
 @torch.no_grad()
@@ -105,16 +117,20 @@ def train(
     weighting: str = "exact",
     epoch_end_step: bool = True,
     progress: bool = False,
+    rank: int = 0,
+    world: int = 1,
 ) -> list[dict[str, Any]]:
     """The whole run; per epoch: loss, test accuracy, steps and speed (evaluation not timed).
 
     `weighting` and `epoch_end_step` other than the defaults reproduce the tutorial's loop (see `schedule`).
+    With world > 1, `model` is DDP-wrapped and each rank runs its share of every window.
     """
     device = data["train_x"].device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     n = len(data["train_y"])
-    plan = schedule(n, micro_batch_size(batch, accum), accum, weighting, epoch_end_step)  # same split each epoch
+    micro = micro_batch_size(batch, accum * world)  # per rank: a window is accum x world micro-batches
+    plan = schedule(n, micro, accum, weighting, epoch_end_step, rank, world)  # same split every epoch
     shuffle = torch.Generator().manual_seed(seed)
     rows = []
     for epoch in tqdm(range(1, epochs + 1), desc="epochs", unit="epoch", disable=None if progress else True):
@@ -126,7 +142,9 @@ def train(
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        test_loss, test_accuracy = evaluate(model, data["test_x"], data["test_y"], eval_batch, dtype)
+        test_loss, test_accuracy = evaluate(
+            distributed.unwrap(model), data["test_x"], data["test_y"], eval_batch, dtype
+        )  # every rank alike, without DDP: no collective to wait on
         rows.append(
             {
                 "epoch": epoch,
@@ -139,10 +157,11 @@ def train(
                 "seconds": seconds,
             }
         )
-        tqdm.write(
-            f"  epoch {epoch}: train loss {train_loss:.4f}  test acc {test_accuracy:.4f}  "
-            f"{n / seconds:.0f} img/s  {steps} steps ({skipped} skipped)"
-        )
+        if rank == 0:
+            tqdm.write(
+                f"  epoch {epoch}: train loss {train_loss:.4f}  test acc {test_accuracy:.4f}  "
+                f"{n / seconds:.0f} img/s  {steps} steps ({skipped} skipped)"
+            )
     return rows
 
 

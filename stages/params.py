@@ -104,6 +104,11 @@ class Memory(Section):
     sweep_steps: PositiveInt
 
 
+class Distributed(Section):
+    nproc_per_node: PositiveInt = _allowed("a positive integer (1 or more): processes, one per GPU", ge=1)
+    sync_batchnorm: bool = _allowed("true (SyncBatchNorm across processes, GPU only) or false (per-process statistics)")
+
+
 class Variant(Section):
     norm: Literal["batch", "group"] = _allowed("one of batch, group")
     accum: int | Literal["accum"] = _allowed("a positive integer, or accum (follow the top-level key)")
@@ -144,6 +149,7 @@ class Params(Section):
     model: Model
     train: Train
     memory: Memory
+    distributed: Distributed
     variants: dict[VariantName, Variant] = _allowed(
         "a mapping of variant name -> {norm, accum, lr, extra}", min_length=1
     )
@@ -232,17 +238,36 @@ def check(values: Any) -> dict[str, Any]:
             _fail(f"variants.{name}.extra", extra, "expected a top-level key, one of " + ", ".join(values))
         if variant["accum"] == "accum" and extra != "accum":
             _fail(f"variants.{name}.extra", extra, "a variant with accum: accum must have extra: accum")
+    world = values["distributed"]["nproc_per_node"]
     for name, scale in values["scales"].items():
-        check_accum(values["accum"], scale["batch"], f"scales.{name}.batch")
+        check_accum(values["accum"], scale["batch"], f"scales.{name}.batch", world=world)
         for vname, variant in values["variants"].items():
             if is_int(variant["accum"]):
-                check_accum(variant["accum"], scale["batch"], f"scales.{name}.batch", f"variants.{vname}.accum")
+                check_accum(variant["accum"], scale["batch"], f"scales.{name}.batch", f"variants.{vname}.accum", world)
     return values
 
 
-def check_accum(accum: Any, batch: int, batch_key: str, key: str = "accum") -> None:
+def check_accum(accum: Any, batch: int, batch_key: str, key: str = "accum", world: int = 1) -> None:
+    """A window holds accum x world micro-batches of at least one sample: the effective batch must cover them."""
     if is_int(accum) and not 1 <= accum <= batch:
         _fail(key, accum, f"expected an integer from 1 to the effective batch size ({batch_key} = {batch}), or auto")
+    if is_int(accum) and accum * world > batch:
+        _fail(
+            key,
+            accum,
+            f"{key} x distributed.nproc_per_node = {accum} x {world} micro-batches per window, more than the "
+            f"effective batch ({batch_key} = {batch}) can split; lower one of them",
+        )
+
+
+def check_distributed(values: dict[str, Any], hardware: dict[str, Any]) -> None:
+    """The rules that need the machine: one process per visible GPU at most; SyncBatchNorm needs GPUs."""
+    nproc, sync_bn = values["distributed"]["nproc_per_node"], values["distributed"]["sync_batchnorm"]
+    gpus = hardware.get("gpu", {}).get("count", 0) if hardware["device"] == "cuda" else 0
+    if hardware["device"] == "cuda" and nproc > gpus:
+        _fail("distributed.nproc_per_node", nproc, f"expected at most the {gpus} visible GPU(s), one process each")
+    if sync_bn and nproc > 1 and hardware["device"] != "cuda":
+        _fail("distributed.sync_batchnorm", sync_bn, "SyncBatchNorm runs on GPUs only; use false on the CPU")
 
 
 def load(path: Path = PARAMS_FILE) -> dict[str, Any]:

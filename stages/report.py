@@ -182,6 +182,9 @@ def variants_table(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             "test accuracy": fmt(m["test_accuracy"]),
             "peak memory (MiB)": fmt(peak_mib(m), 1),
         }
+        if m.get("world_size", 1) > 1:  # the headline peak is the largest process's; each process's here
+            row["processes"] = m["world_size"] if not m.get("sync_batchnorm") else f"{m['world_size']} (SyncBatchNorm)"
+            row["peak per process (MiB)"] = " / ".join(fmt(peak_mib(m | {"memory": r}), 0) for r in mem["per_rank"])
         if m["device"] == "cuda":
             row["memory source"] = mem.get("nvidia_smi_source") or "-"
             row["torch max allocated (MiB)"] = fmt(mem.get("torch_max_allocated_mib"), 1)
@@ -357,7 +360,10 @@ def summary_metrics(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     get = {name: r["metrics"] for name, r in results.items()}
     base, acc = get.get("baseline"), get.get("accumulation")
     both = base and acc and base["fit"] and acc["fit"]
-    out: dict[str, Any] = {"memory_ratio": round(peak_mib(acc) / peak_mib(base), 4) if both else None}
+    out: dict[str, Any] = {
+        "memory_ratio": round(peak_mib(acc) / peak_mib(base), 4) if both else None,
+        "world_size": max(m.get("world_size", 1) for m in get.values()),
+    }
     for name, m in get.items():
         out[name] = {
             "peak_mib": round(peak_mib(m), 1) if peak_mib(m) is not None else None,

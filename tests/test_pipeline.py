@@ -111,6 +111,21 @@ def test_exp_run_reruns_only_the_variants_that_follow_accum(repo, repro: str) ->
         assert plots[name][0]["content"]["data"]["values"], name
 
 
+def test_exp_run_on_two_processes_with_torchrun(repo, repro: str) -> None:
+    """`dvc exp run -S distributed.nproc_per_node=2` on the CPU: every variant through torchrun and gloo."""
+    path, env = repo
+    out = run(["dvc", "exp", "run", "-S", "distributed.nproc_per_node=2"], path, env)
+    variants = yaml.safe_load((path / "params.yaml").read_text())["variants"]
+    assert {f"train@{v}" for v in variants} <= ran(out)
+    m = json.loads((path / "reports/variants/accumulation/metrics.json").read_text())
+    assert m["world_size"] == 2 and len(m["memory"]["per_rank"]) == 2 and m["micro_batch"] == 8  # 32 / (2 x 2)
+    assert m["memory"]["rss_peak_mib"] == max(r["rss_peak_mib"] for r in m["memory"]["per_rank"])
+    assert m["optimizer_steps"] == 3 and m["final_train_loss"] > 0  # 96 images / 32 per step, as on one process
+    assert "peak per process (MiB)" in (path / "reports/report.md").read_text()
+    table = json.loads(run(["dvc", "exp", "show", "--json"], path, env))
+    assert '"world_size": 2' in json.dumps(table)
+
+
 def test_readme_exp_show_fits_a_160_column_terminal(repo, repro: str) -> None:
     path, env = repo
     readme = (ROOT / "README.md").read_text()

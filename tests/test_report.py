@@ -266,7 +266,7 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
         )
 
     summary = yaml.safe_load((workdir / "reports/metrics.json").read_text())  # what dvc exp show compares
-    assert set(summary) == {"memory_ratio", *metrics}
+    assert set(summary) == {"memory_ratio", "world_size", *metrics} and summary["world_size"] == 1
     for name, m in metrics.items():
         assert summary[name]["peak_mib"] == pytest.approx(float(rows[name]["peak memory (MiB)"]), abs=0.05)
         assert summary[name]["acc"] == m["test_accuracy"] and set(summary[name]) == {"peak_mib", "loss", "acc", "img_s"}

@@ -1,0 +1,103 @@
+"""Accumulation across ranks with torchrun + DDP on the CPU (gloo, 2 processes): exact, one all-reduce a window."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+from ddp_worker import CASES, tiny_model, window_data
+
+from stages import params
+from stages.accumulation import micro_batch_size, relative_difference, schedule, windows
+from stages.loop import normalize
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).with_name("ddp_worker.py")
+
+
+def torchrun(mode: str, out: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*cmd, str(WORKER), mode, str(out)], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("ddp") / "results.json"
+    result = torchrun("gradient", out)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return json.loads(out.read_text())
+
+
+def full_batch_gradient(n: int) -> torch.Tensor:
+    model = tiny_model()
+    images, labels = window_data(n)
+    F.cross_entropy(model(normalize(images)), labels).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize(("n", "accum"), CASES)
+def test_ddp_window_gradient_equals_the_full_batch_gradient(ddp_results: dict, n: int, accum: int) -> None:
+    assert ddp_results["world"] == 2
+    full = full_batch_gradient(n)
+    for r in ddp_results["results"]:
+        if (r["n"], r["accum"]) == (n, accum):
+            assert relative_difference(torch.tensor(r["grad"]), full) <= 1e-5, r["no_sync"]
+
+
+@pytest.mark.parametrize(("n", "accum"), CASES)
+def test_one_allreduce_per_window_with_no_sync(ddp_results: dict, n: int, accum: int) -> None:
+    by_mode = {r["no_sync"]: r for r in ddp_results["results"] if (r["n"], r["accum"]) == (n, accum)}
+    assert by_mode[True]["allreduces"] == 1
+    micro_batches_of_rank0 = len(schedule(n, micro_batch_size(n, accum * 2), accum, rank=0, world=2))
+    assert by_mode[False]["allreduces"] == micro_batches_of_rank0 == accum  # one per micro-batch without no_sync
+
+
+def test_a_failing_rank_fails_the_run_and_leaves_no_process(tmp_path: Path) -> None:
+    result = torchrun("fail", tmp_path / "unused.json")
+    assert result.returncode != 0
+    assert "rank 1 failed on purpose" in result.stdout + result.stderr
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(WORKER) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == []
+
+
+@pytest.mark.parametrize(("n", "micro", "accum", "world"), [(45, 8, 3, 2), (100, 7, 2, 3), (10, 4, 2, 2), (5, 1, 4, 2)])
+def test_rank_weights_average_to_the_window_mean(n: int, micro: int, accum: int, world: int) -> None:
+    """DDP averages the ranks' gradients: sum over ranks of weight x samples / world must be each window's mean."""
+    plans = [schedule(n, micro, accum, rank=r, world=world) for r in range(world)]
+    for w, window in enumerate(windows(n, micro, accum * world)):
+        samples = window[-1].stop - window[0].start
+        ranks = [[mb for mb in plan if window[0].start <= mb.start < window[-1].stop] for plan in plans]
+        counts = [sum(1 for mb in plan if mb.step) for plan in plans]
+        assert len(set(counts)) == 1  # every rank steps (all-reduces) in every window
+        covered = sorted((mb.start, mb.stop) for mbs in ranks for mb in mbs if mb.weight)
+        assert covered == [(mb.start, mb.stop) for mb in window], w  # each sample once, across the ranks
+        for mb in (mb for mbs in ranks for mb in mbs if mb.weight):  # DDP divides by world: weight / world = share
+            assert mb.weight / world == pytest.approx((mb.stop - mb.start) / samples), w
+        assert all(mbs and mbs[-1].step for mbs in ranks), w
+
+
+def test_validation_names_the_keys_when_the_batch_cannot_be_split() -> None:
+    p = params.load(ROOT / "params.yaml")
+    p["distributed"]["nproc_per_node"] = 100
+    with pytest.raises(params.ParamsError) as info:
+        params.check(p)
+    msg = str(info.value)
+    assert "accum x distributed.nproc_per_node = 4 x 100 micro-batches per window" in msg
+    assert "effective batch (scales.cpu.batch = 256)" in msg
+    p["distributed"]["nproc_per_node"] = 2
+    with pytest.raises(params.ParamsError, match=r"distributed.nproc_per_node = 2 is not allowed; expected at most"):
+        params.check_distributed(p, {"device": "cuda", "gpu": {"count": 1}})
+    p["distributed"]["sync_batchnorm"] = True
+    with pytest.raises(params.ParamsError, match="distributed.sync_batchnorm = True is not allowed; SyncBatchNorm"):
+        params.check_distributed(p, {"device": "cpu"})
+    params.check_distributed(p, {"device": "cuda", "gpu": {"count": 2}})
