@@ -6,15 +6,20 @@
    (torchvision MNIST + ToTensor + Normalize through a DataLoader with workers): images/s;
 2. the cost of accumulation: accum 1 against 4 and 8 at one effective batch (GroupNorm in all);
 3. the memory sampler's overhead: training with it against without;
-4. peak memory against micro-batch, measured, beside the planner's prediction from a separate fit.
+4. peak memory against micro-batch, measured, beside the planner's prediction from a separate fit;
+5. data parallelism on 2 gloo processes: all-reduces and seconds per window with and without no_sync.
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -218,6 +223,20 @@ def bench_planner(device: torch.device, s) -> dict[str, Any]:
     return {"fit_on": s["fit"], "fit": fit, "checks": rows}
 
 
+def bench_ddp(repeats: int) -> dict[str, Any]:
+    """benchmarks/ddp.py under torchrun, 2 processes on the CPU (gloo): its last line is the result."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(
+        [*cmd, "-m", "benchmarks.ddp", "--repeats", str(max(repeats, 5))],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="side-by-side benchmarks; prints a table, writes JSON")
     parser.add_argument("--repeats", type=int, default=3)
@@ -277,6 +296,15 @@ def main() -> None:
             f"{c['predicted_mib']:.0f} MiB, predicted/measured {c['predicted_over_measured']:.3f}",
             flush=True,
         )
+    results["ddp_no_sync"] = r = bench_ddp(args.repeats)
+    print(
+        f"5. DDP, {r['world']} gloo processes, batch {r['batch']} = {r['accum']} x {r['micro_batch']} x "
+        f"{r['world']}: all-reduces per window {r['allreduces_per_window_no_sync']:.0f} with no_sync, "
+        f"{r['allreduces_per_window_every_micro_batch']:.0f} without; {r['seconds_per_window_no_sync']:.3f} s "
+        f"against {r['seconds_per_window_every_micro_batch']:.3f} s per window "
+        f"(without / with {r['every_micro_batch_over_no_sync']:.2f})",
+        flush=True,
+    )
     write_json(args.out, results)
     print(f"wrote {args.out}")
 

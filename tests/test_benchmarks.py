@@ -35,3 +35,13 @@ def test_torchvision_mnist_reads_the_written_idx_files(tmp_path: Path) -> None:
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     tutorial_loop(model, opt, scaler, DataLoader(ds, batch_size=5), 2, torch.device("cpu"), None)
     assert not torch.equal(before, model[1].weight)
+
+
+def test_ddp_benchmark_counts_one_allreduce_per_window_with_no_sync() -> None:
+    """benchmarks/ddp.py under torchrun (2 gloo processes, the real model): the figures make bench prints."""
+    from benchmarks.run import bench_ddp
+
+    r = bench_ddp(1)
+    assert r["world"] == 2 and r["accum"] == 4 and r["micro_batch"] == 8
+    assert r["allreduces_per_window_no_sync"] == 1 and r["allreduces_per_window_every_micro_batch"] == 4
+    assert r["seconds_per_window_no_sync"] > 0 and r["seconds_per_window_every_micro_batch"] > 0
