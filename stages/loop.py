@@ -35,9 +35,15 @@ EPOCH_COLUMNS = (
 AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": None}  # float32: no autocast
 
 
-def amp_dtype(device: torch.device, train: dict[str, Any]) -> torch.dtype | None:
-    """float16 needs a GradScaler (small gradients underflow); bfloat16 has float32's range and does not."""
-    return AMP_DTYPES[train["amp_cuda"] if device.type == "cuda" else train["amp_cpu"]]
+def amp_dtype(device: torch.device, train: dict[str, Any], precision: str = "default") -> torch.dtype | None:
+    """float16 needs a GradScaler (small gradients underflow); bfloat16 has float32's range and does not.
+
+    precision="other" is the precision lever: float32 where the default autocasts, else autocast.
+    """
+    default = AMP_DTYPES[train["amp_cuda"] if device.type == "cuda" else train["amp_cpu"]]
+    if precision == "default":
+        return default
+    return None if default is not None else (torch.float16 if device.type == "cuda" else torch.bfloat16)
 
 
 def normalize(images: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import timm
 import torch
-from timm.layers import BatchNormAct2d, GroupNormAct
+from timm.layers import BatchNormAct2d, GroupNormAct, set_reentrant_ckpt
 from torch import nn
 
 
@@ -42,15 +42,21 @@ def build_model(
     group_norm_groups: int,
     seed: int,
     swap: str = "keep_act",
+    checkpointing: bool = False,
 ) -> nn.Module:
     """Same seed, same initial weights for every variant; never downloads (pretrained=False).
 
     swap="plain" is the tutorial's BatchNorm -> nn.GroupNorm swap, which drops timm's fused activations.
+    checkpointing: timm's activation checkpointing of the blocks (non-reentrant): the block activations
+    are recomputed in backward instead of kept, memory for compute.
     """
     torch.manual_seed(seed)
     model = timm.create_model(name, pretrained=False, in_chans=in_chans, num_classes=num_classes)
     if norm == "group":
         batchnorm_to_groupnorm(model, group_norm_groups, keep_act=swap == "keep_act")
+    if checkpointing:
+        set_reentrant_ckpt(False)  # timm's default too; said here, since reentrant checkpointing differs
+        model.set_grad_checkpointing(True)
     return model
 
 

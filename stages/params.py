@@ -126,6 +126,15 @@ class Variant(Section):
         "one of keep_act (GroupNormAct keeps timm's fused activation), plain (nn.GroupNorm, the tutorial)",
         default="keep_act",
     )
+    # The other memory levers:
+    checkpointing: bool = _allowed(
+        "true (activation checkpointing, non-reentrant; GroupNorm only) or false", default=False
+    )
+    precision: Literal["default", "other"] = _allowed(
+        "one of default (train.amp_cuda / train.amp_cpu), other (float32 where that autocasts, else float16 on "
+        "CUDA and bfloat16 on the CPU)",
+        default="default",
+    )
 
     @field_validator("accum", mode="before")
     @classmethod
@@ -233,6 +242,13 @@ def check(values: Any) -> dict[str, Any]:
         raise ParamsError(_message(err.errors()[0])) from None
     values["variants"] = {name: v.model_dump() for name, v in valid.variants.items()}  # switches' defaults filled
     for name, variant in values["variants"].items():
+        if variant.get("checkpointing") and variant["norm"] == "batch":
+            _fail(
+                f"variants.{name}.checkpointing",
+                True,
+                "BatchNorm under checkpointing updates its running statistics twice per forward (pytorch#96136); "
+                "use norm: group",
+            )
         extra = variant["extra"]
         if extra not in values:
             _fail(f"variants.{name}.extra", extra, "expected a top-level key, one of " + ", ".join(values))

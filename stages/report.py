@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -374,6 +375,63 @@ def summary_metrics(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+LEVERS = (  # (variant, lever): the same work as the groupnorm control, with one memory lever or two
+    ("groupnorm_precision", "precision"),
+    ("accumulation", "accumulation"),
+    ("checkpointing", "activation checkpointing"),
+    ("accum_checkpointing", "accumulation + checkpointing"),
+)
+
+
+def lever_table(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each memory lever against the groupnorm control (same norm, lr and batch, none of the levers)."""
+    get = {name: r["metrics"] for name, r in results.items()}
+    ref = get.get("groupnorm")
+    if not ref or not ref["fit"]:
+        return []
+    rows = []
+    for name, lever in LEVERS:
+        m = get.get(name)
+        if m is None or not m["fit"]:
+            continue
+        rows.append(
+            {
+                "lever": lever + (f" ({m['amp']} instead of {ref['amp']})" if name == "groupnorm_precision" else ""),
+                "variant": name,
+                "peak memory vs groupnorm": fmt(peak_mib(m) / peak_mib(ref), 2),
+                "memory saved (MiB)": fmt(peak_mib(ref) - peak_mib(m), 0),
+                "throughput vs groupnorm": fmt(m["images_per_second"] / ref["images_per_second"], 2),
+                "final train loss": fmt(m["final_train_loss"]),
+                "test accuracy": fmt(m["test_accuracy"]),
+            }
+        )
+    return rows
+
+
+def lever_figure(rep: Report, rows: list[dict[str, Any]]) -> None:
+    points = pd.DataFrame(
+        {
+            "lever": [r["lever"].split(" (")[0] for r in rows],
+            "memory saved": [1 - float(r["peak memory vs groupnorm"]) for r in rows],
+            "speed lost": [1 - float(r["throughput vs groupnorm"]) for r in rows],
+        }
+    )
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sns.scatterplot(points, x="memory saved", y="speed lost", hue="lever", style="lever", s=120, ax=ax)
+    ax.axhline(0, color="#999", linewidth=0.8)
+    ax.axvline(0, color="#999", linewidth=0.8)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.set(xlabel="peak memory saved against the groupnorm control", ylabel="throughput lost")
+    ax.legend(fontsize="small")
+    rep.figure(
+        "levers.png",
+        fig,
+        "Each memory lever: memory saved against speed lost, both against the groupnorm control in the same run "
+        "(right and low is better).",
+    )
+
+
 def steps_note(p: dict[str, Any], scale_name: str) -> str:
     """How many optimizer steps the tutorial's study and this run make: what a loss comparison can mean."""
     study, ran = p["scales"]["study"], p["scales"][scale_name]
@@ -649,6 +707,17 @@ def main() -> None:
     rep.heading("The tutorial's claims against this run")
     rep.table(claims_table(results, study_on_gpu=hw["scale"] == "study" and device == "cuda", grad=grad))
     rep.text(steps_note(p, hw["scale"]))
+    levers = lever_table(results)
+    if levers:
+        rep.heading("The memory levers side by side")
+        rep.text(
+            "The same work as the groupnorm control (GroupNorm, accum 1, same lr and batch), with one lever or "
+            "two. Checkpointing recomputes the blocks' activations in backward instead of keeping them; it is "
+            "kept away from BatchNorm, whose running statistics it would update twice per forward "
+            "(pytorch#96136). Throughput ratios carry the machine's drift: the variants run one after another."
+        )
+        rep.table(levers)
+        lever_figure(rep, levers)
     figures(rep, results, plan, device)
     if grad:
         rep.heading("Is the accumulated gradient the large-batch gradient?")

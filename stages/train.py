@@ -68,9 +68,11 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
         sys.exit(distributed.relaunch(nproc, "stages.train", sys.argv[1:]))
     rank, world, device = distributed.setup(hw["device"])
     micro = micro_batch_size(scale["batch"], accum * world)  # per process
-    dtype = amp_dtype(device, p["train"])
+    dtype = amp_dtype(device, p["train"], v["precision"])
     data = load_data(device, scale["train_samples"], scale["test_samples"])
-    model = build_model(**p["model"], norm=v["norm"], seed=p["seed"], swap=v["swap"]).to(device)
+    model = build_model(
+        **p["model"], norm=v["norm"], seed=p["seed"], swap=v["swap"], checkpointing=v["checkpointing"]
+    ).to(device)
     model = distributed.wrap(model, device, sync_bn and v["norm"] == "batch")
     tutorial = [f"{k}: {v[k]}" for k, exact in CORRECTED.items() if v[k] != exact]
     if rank == 0:
@@ -78,7 +80,8 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
             f"train@{variant}: {v['norm']}norm, accum {accum} x micro-batch {micro}"
             + (f" x {world} processes" if world > 1 else "")
             + f" = batch {scale['batch']}, lr {v['lr']}, {hw['scale']} scale on {device.type}, "
-            f"{p['train']['amp_' + device.type]}"
+            f"{str(dtype).replace('torch.', '') if dtype else 'float32'}"
+            + (", activation checkpointing" if v["checkpointing"] else "")
             + (f"; as the tutorial wrote it: {', '.join(tutorial)}" if tutorial else ""),
             flush=True,
         )
@@ -132,6 +135,8 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
         "variant": variant,
         "norm": v["norm"],
         **{key: v[key] for key in CORRECTED},
+        "checkpointing": v["checkpointing"],
+        "precision": v["precision"],
         "accum": accum,
         "accum_setting": v["accum"] if v["accum"] != "accum" else p["accum"],  # "auto" resolved into accum
         "micro_batch": micro,

@@ -78,3 +78,16 @@ def test_the_tutorials_plain_swap_drops_the_fused_activations(models: tuple[nn.M
     kept.eval(), plain.eval()
     with torch.no_grad():
         assert not torch.allclose(kept(x), plain(x), atol=1e-3)  # same weights, another function
+
+
+def test_checkpointed_gradient_equals_the_plain_gradient() -> None:
+    """Activation checkpointing recomputes, it does not approximate: same gradient (GroupNorm, float32)."""
+    plain = build_model(**ARGS, norm="group", group_norm_groups=1).train()
+    ckpt = build_model(**ARGS, norm="group", group_norm_groups=1, checkpointing=True).train()
+    assert ckpt.grad_checkpointing and not plain.grad_checkpointing
+    x, y = torch.randn(6, 1, 28, 28, generator=torch.Generator().manual_seed(1)), torch.arange(6) % 10
+    grads = []
+    for model in (plain, ckpt):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert float((grads[0] - grads[1]).norm() / grads[0].norm()) <= 1e-5

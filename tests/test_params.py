@@ -216,6 +216,8 @@ def test_tutorial_switches_default_to_the_corrected_code() -> None:
         "weighting": "exact",
         "epoch_end_step": True,
         "swap": "keep_act",
+        "checkpointing": False,
+        "precision": "default",
     }
     tutorial = p["variants"]["tutorial_accumulation"]
     assert (tutorial["weighting"], tutorial["epoch_end_step"], tutorial["swap"]) == ("divide", False, "plain")
@@ -223,3 +225,11 @@ def test_tutorial_switches_default_to_the_corrected_code() -> None:
     assert "variants.tutorial_accumulation.weighting = 'mean' is not allowed; expected one of exact" in msg
     msg = error_for(with_change("variants.accumulation.epoch_end_step", "no"))
     assert "variants.accumulation.epoch_end_step = 'no' is not allowed; expected true" in msg and "got a str" in msg
+
+
+def test_checkpointing_is_refused_with_batchnorm() -> None:
+    msg = error_for(with_change("variants.baseline.checkpointing", True))
+    assert "variants.baseline.checkpointing = True is not allowed; BatchNorm under checkpointing" in msg
+    assert "pytorch#96136" in msg
+    msg = error_for(with_change("variants.groupnorm_precision.precision", "fp8"))
+    assert "variants.groupnorm_precision.precision = 'fp8' is not allowed; expected one of default" in msg

@@ -86,7 +86,7 @@ def test_repro_runs_every_stage_and_renders_the_report(repo, repro: str) -> None
     state = torch.load(path / "data/models/accumulation.pt", weights_only=True)
     assert "conv_stem.weight" in state and state["conv_stem.weight"].shape[1] == 1
     html = (path / "reports/report.html").read_text()
-    assert html.count("data:image/png;base64,") == 7 and "http" not in html.split("<body>")[1].split("data:")[0]
+    assert html.count("data:image/png;base64,") == 8 and "http" not in html.split("<body>")[1].split("data:")[0]
     assert (path / "reports/figures/train_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -24,6 +24,9 @@ VARIANTS = {
     "groupnorm": ("group", 1, 3e-4),
     "accum_batchnorm": ("batch", 4, 1e-3),
     "tutorial_accumulation": ("group", 4, 3e-4),
+    "checkpointing": ("group", 1, 3e-4),
+    "accum_checkpointing": ("group", 4, 3e-4),
+    "groupnorm_precision": ("group", 1, 3e-4),
 }
 FIGURES = (
     "train_loss.png",
@@ -33,6 +36,7 @@ FIGURES = (
     "throughput.png",
     "sweep.png",
     "gradcheck.png",
+    "levers.png",
 )
 
 
@@ -151,6 +155,9 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
         "groupnorm": 29900.0,
         "accum_batchnorm": 14500.0,
         "tutorial_accumulation": 14100.0,
+        "checkpointing": 12000.0,
+        "accum_checkpointing": 6000.0,
+        "groupnorm_precision": 21000.0,
     }
     too_big = "baseline" if device == "cuda" else "accum_batchnorm"  # the tutorial's case on a 24 GB card; a budget
     metrics = {n: variant_outputs(root, n, device, batch, fit=n != too_big, peak=peaks[n]) for n in p["variants"]}
@@ -287,6 +294,16 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     assert rows["accumulation"]["code"] == "exact" and rows["baseline"]["code"] == "exact"
     tut_row = next(r for c, r in claims.items() if c.startswith("(this study) the tutorial's accumulation code"))
     assert "the corrections change the final loss by" in tut_row["verdict"]
+
+    levers = {r["variant"]: r for r in md_table(md, "The memory levers side by side")}
+    assert list(levers) == ["groupnorm_precision", "accumulation", "checkpointing", "accum_checkpointing"]
+    for name, row in levers.items():
+        ref = float(rows["groupnorm"]["peak memory (MiB)"])
+        assert float(row["peak memory vs groupnorm"]) == pytest.approx(
+            float(rows[name]["peak memory (MiB)"]) / ref, abs=0.005
+        )
+        speed = float(rows[name]["images/s"]) / float(rows["groupnorm"]["images/s"])
+        assert float(row["throughput vs groupnorm"]) == pytest.approx(speed, abs=0.005)
 
     grad = md_table(md, "Is the accumulated gradient the large-batch gradient?")
     assert [float(r["relative difference"]) for r in grad] == [3e-7, 1.3]

@@ -192,3 +192,11 @@ def test_tutorial_loop_carries_gradient_into_the_next_epoch() -> None:
     opt = torch.optim.AdamW(model.parameters())
     loop.train_epoch(model, opt, scaler, images, labels, torch.arange(70), schedule(70, 10, 3), None)
     assert all(p.grad is None for p in model.parameters())  # exact: the epoch ends with a step, nothing carried
+
+
+def test_precision_lever_flips_autocast() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    train = {"amp_cuda": "float16", "amp_cpu": "float32"}
+    assert loop.amp_dtype(cpu, train) is None and loop.amp_dtype(cpu, train, "other") == torch.bfloat16
+    assert loop.amp_dtype(cuda, train) == torch.float16 and loop.amp_dtype(cuda, train, "other") is None
+    assert loop.amp_dtype(cpu, {**train, "amp_cpu": "bfloat16"}, "other") is None
