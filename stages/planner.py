@@ -56,19 +56,55 @@ def smallest_accum(model: dict[str, float], budget_mib: float, batch: int) -> in
     return accum
 
 
-def card_table(model: dict[str, float], batch: int, cards_gb: Sequence[float], margin: float) -> list[dict[str, Any]]:
+def options(
+    fits: dict[str, dict[str, float]], speeds: dict[str, tuple[list[int], list[float]]], budget_mib: float, batch: int
+) -> list[dict[str, Any]]:
+    """For each lever ("accumulation", "checkpointing"), the fewest micro-batches whose micro-batch fits.
+
+    `speeds` holds the sweep's measured images/s against micro-batch for each lever; an option's speed
+    is read off them at its micro-batch (linear between measured points), fastest first.
+    """
+    rows = []
+    for lever, model in fits.items():
+        accum = smallest_accum(model, budget_mib, batch)
+        if accum is None:
+            continue
+        micro = math.ceil(batch / accum)
+        measured_micro, measured_speed = speeds[lever]
+        rows.append(
+            {
+                "lever": lever,
+                "accum": accum,
+                "micro_batch": micro,
+                "predicted_peak_mib": round(predict_mib(model, micro)),
+                "images_per_s": round(float(np.interp(micro, measured_micro, measured_speed)), 1),
+            }
+        )
+    return sorted(rows, key=lambda r: -r["images_per_s"])
+
+
+def card_table(
+    model: dict[str, float],
+    batch: int,
+    cards_gb: Sequence[float],
+    margin: float,
+    fits: dict[str, dict[str, float]] | None = None,
+    speeds: dict[str, tuple[list[int], list[float]]] | None = None,
+) -> list[dict[str, Any]]:
+    """Per card: the plain fit's largest micro-batch and smallest accum, and with `fits`, every lever's option."""
     rows = []
     for card in cards_gb:
         budget = card * GIB_MIB * (1 - margin)
         accum = smallest_accum(model, budget, batch)
-        rows.append(
-            {
-                "card_gb": card,
-                "usable_mib": round(budget),
-                "largest_micro_batch": largest_micro_batch(model, budget, batch),
-                "smallest_accum": accum,
-                "micro_batch": math.ceil(batch / accum) if accum else None,
-                "predicted_peak_mib": round(predict_mib(model, math.ceil(batch / accum))) if accum else None,
-            }
-        )
+        row = {
+            "card_gb": card,
+            "usable_mib": round(budget),
+            "largest_micro_batch": largest_micro_batch(model, budget, batch),
+            "smallest_accum": accum,
+            "micro_batch": math.ceil(batch / accum) if accum else None,
+            "predicted_peak_mib": round(predict_mib(model, math.ceil(batch / accum))) if accum else None,
+        }
+        if fits and speeds:
+            row["options"] = options(fits, speeds, budget, batch)  # fastest first
+        rows.append(row)
     return rows

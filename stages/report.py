@@ -565,15 +565,20 @@ def figures(rep: Report, results: dict[str, dict[str, Any]], plan: dict[str, Any
 
     if plan:
         points = pd.DataFrame([pt for pt in plan["points"] if pt["fit"]])
+        points["model"] = ["checkpointing" if pt.get("checkpointing") else "plain" for pt in points.to_dict("records")]
         fig, ax = plt.subplots(figsize=(7, 4))
-        sns.scatterplot(points, x="micro_batch", y="peak_mib", s=60, ax=ax, label="measured")
+        sns.scatterplot(points, x="micro_batch", y="peak_mib", hue="model", style="model", s=60, ax=ax)
         xs = [0, max(points["micro_batch"]) * 1.1]
-        ax.plot(
-            xs,
-            [predict_mib(plan["fit"], x) for x in xs],
-            color="#dd8452",
-            label=f"fit: {plan['fit']['fixed_mib']:.0f} + {plan['fit']['per_sample_mib']:.3f} MiB x micro-batch",
-        )
+        for key, label, color in (("fit", "plain", "#4c72b0"), ("fit_checkpointing", "checkpointing", "#dd8452")):
+            if key in plan:
+                f = plan[key]
+                ax.plot(
+                    xs,
+                    [predict_mib(f, x) for x in xs],
+                    color=color,
+                    linewidth=1,
+                    label=f"{label} fit: {f['fixed_mib']:.0f} + {f['per_sample_mib']:.3f} MiB x micro-batch",
+                )
         cards = plan["device"] == "cuda"
         if cards:  # the card sizes the planner's table answers for
             for card in plan["cards"]:
@@ -584,13 +589,27 @@ def figures(rep: Report, results: dict[str, dict[str, Any]], plan: dict[str, Any
         rep.figure(
             "sweep.png",
             fig,
-            f"Memory sweep: {plan['measure']} at each micro-batch, with the fitted line"
+            f"Memory sweep: {plan['measure']} at each micro-batch, plain and with activation checkpointing, with "
+            "the fitted lines"
             + (
                 " and each card's usable memory (dashed)."
                 if cards
                 else " (host memory: card sizes apply to a GPU run)."
             ),
         )
+
+
+def options_text(options: list[dict[str, Any]] | None) -> str:
+    """The planner's options for one card: lever, accum, predicted peak and the sweep's measured speed."""
+    if options is None:
+        return "-"
+    if not options:
+        return "none fits"
+    return "; ".join(
+        f"{'checkpointing, ' if o['lever'] == 'checkpointing' else ''}accum {o['accum']} (micro-batch "
+        f"{o['micro_batch']}): {o['predicted_peak_mib']} MiB, {o['images_per_s']:.0f} images/s"
+        for o in options
+    )
 
 
 def gradcheck_figure(rep: Report, grad: dict[str, Any]) -> None:
@@ -759,7 +778,15 @@ def main() -> None:
             f"MiB per sample (r2 {plan['fit']['r2']:.4f}), measured as {plan['measure']}. For effective batch "
             f"{plan['batch']}, leaving {plan['this_machine']['safety_margin']:.0%} free. On this machine "
             f"({plan['this_machine']['memory_mib']} MiB, {plan['this_machine']['what']}), accum: auto is "
-            f"{plan['auto_accum']}."
+            f"{plan['auto_accum']}"
+            + (
+                f" (with checkpointing: {plan['auto_accum_checkpointing']}); the fastest option that fits here: "
+                f"{options_text(plan['this_machine']['options'][:1])}. The speeds are the sweep's own "
+                "(a few steps, warm-up included)"
+                if "options" in plan["this_machine"]
+                else ""
+            )
+            + "."
             + (
                 " These are host-memory figures from the CPU scale; a GPU run gives the GPU table."
                 if plan["device"] == "cpu"
@@ -775,6 +802,7 @@ def main() -> None:
                     "smallest accum": fmt(c["smallest_accum"]),
                     "micro-batch at that accum": fmt(c["micro_batch"]),
                     "predicted peak (MiB)": fmt(c["predicted_peak_mib"]),
+                    "options that fit, fastest first": options_text(c.get("options")),
                 }
                 for c in plan["cards"]
             ]

@@ -27,8 +27,12 @@ from stages.paths import HARDWARE, PROVENANCE, SWEEP_PLAN, variant_dir, weights_
 CORRECTED = {"weighting": "exact", "epoch_end_step": True, "swap": "keep_act"}  # the tutorial's code differs in each
 
 
-def resolved_accum(p: dict[str, Any]) -> int | None:
-    return read_json(SWEEP_PLAN)["auto_accum"] if p["accum"] == "auto" else None
+def resolved_accum(p: dict[str, Any], checkpointing: bool = False) -> int | None:
+    """accum: auto, from the planner: the fewest micro-batches that fit, with or without checkpointing."""
+    if p["accum"] != "auto":
+        return None
+    plan = read_json(SWEEP_PLAN)
+    return plan["auto_accum_checkpointing"] if checkpointing else plan["auto_accum"]
 
 
 def plan_check(p: dict[str, Any], device: torch.device, micro: int, world: int = 1) -> dict[str, Any] | None:
@@ -60,7 +64,7 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
     hw = read_json(HARDWARE)
     scale = p["scales"][hw["scale"]]
     v = p["variants"][variant]
-    accum = params.variant_accum_steps(p, variant, resolved_accum(p))
+    accum = params.variant_accum_steps(p, variant, resolved_accum(p, v["checkpointing"]))
     nproc, sync_bn = p["distributed"]["nproc_per_node"], p["distributed"]["sync_batchnorm"]
     params.check_accum(accum, scale["batch"], f"scales.{hw['scale']}.batch", world=nproc)
     params.check_distributed(p, hw)

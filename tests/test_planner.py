@@ -51,3 +51,20 @@ def test_card_table() -> None:
     assert small["micro_batch"] <= small["largest_micro_batch"]
     assert small["predicted_peak_mib"] <= small["usable_mib"]
     assert big["smallest_accum"] == 1 and big["micro_batch"] == 32768
+
+
+def test_options_per_lever_fastest_first() -> None:
+    """Checkpointing fits a bigger micro-batch in the same memory; the option that runs faster comes first."""
+    fits = {"accumulation": MODEL, "checkpointing": {"fixed_mib": 1000.0, "per_sample_mib": 1.0}}
+    speeds = {"accumulation": ([256, 4096], [900.0, 1000.0]), "checkpointing": ([256, 4096], [600.0, 700.0])}
+    budget = 1000 + 3.5 * 8192  # the plain model fits micro-batch 8192: accum 4 for batch 32768
+    options = planner.options(fits, speeds, budget, 32768)
+    assert [o["lever"] for o in options] == ["accumulation", "checkpointing"]
+    plain, ckpt = options
+    assert (plain["accum"], plain["micro_batch"], plain["images_per_s"]) == (4, 8192, 1000.0)  # beyond: the last
+    assert ckpt["accum"] == 2 and ckpt["micro_batch"] == 16384 and ckpt["predicted_peak_mib"] == 1000 + 16384
+    slow_plain = {**speeds, "accumulation": ([256, 4096], [300.0, 400.0])}
+    assert planner.options(fits, slow_plain, budget, 32768)[0]["lever"] == "checkpointing"
+    assert planner.options(fits, speeds, 500.0, 32768) == []  # nothing fits: not even the fixed part
+    cards = planner.card_table(MODEL, 32768, [8, 40], 0.1, fits, speeds)
+    assert all("options" in c for c in cards) and cards[1]["options"][0]["accum"] <= cards[0]["options"][0]["accum"]

@@ -175,8 +175,23 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
             "measure": "fixture",
             "fit": fit,
             "points": points,
-            "this_machine": {"memory_mib": 24564, "what": "test", "safety_margin": 0.1},
+            "fit_checkpointing": {"fixed_mib": 1200.0, "per_sample_mib": 0.6, "r2": 0.998},
+            "this_machine": {
+                "memory_mib": 24564,
+                "what": "test",
+                "safety_margin": 0.1,
+                "options": [
+                    {
+                        "lever": "accumulation",
+                        "accum": 3,
+                        "micro_batch": 10923,
+                        "predicted_peak_mib": 18677,
+                        "images_per_s": 900.0,
+                    },
+                ],
+            },
             "auto_accum": 3,
+            "auto_accum_checkpointing": 1,
             "cards": [
                 {
                     "card_gb": 8,
@@ -185,6 +200,22 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
                     "smallest_accum": 9,
                     "micro_batch": 3641,
                     "predicted_peak_mib": 7026,
+                    "options": [
+                        {
+                            "lever": "checkpointing",
+                            "accum": 4,
+                            "micro_batch": 8192,
+                            "predicted_peak_mib": 6115,
+                            "images_per_s": 700.0,
+                        },
+                        {
+                            "lever": "accumulation",
+                            "accum": 9,
+                            "micro_batch": 3641,
+                            "predicted_peak_mib": 7026,
+                            "images_per_s": 650.0,
+                        },
+                    ],
                 }
             ],
         },
@@ -309,6 +340,11 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     assert [float(r["relative difference"]) for r in grad] == [3e-7, 1.3]
     cards = md_table(md, "Which card fits: the memory planner")
     assert int(cards[0]["smallest accum"]) == 9
+    assert cards[0]["options that fit, fastest first"] == (
+        "checkpointing, accum 4 (micro-batch 8192): 6115 MiB, 700 images/s; "
+        "accum 9 (micro-batch 3641): 7026 MiB, 650 images/s"
+    )
+    assert "accum: auto is 3 (with checkpointing: 1); the fastest option that fits here: accum 3" in md
 
 
 def test_report_without_variants_says_what_to_run(workdir: Path) -> None:
