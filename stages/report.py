@@ -483,7 +483,6 @@ def summary(results: dict[str, dict[str, Any]], grad: dict[str, Any] | None, dev
 
 
 def figures(rep: Report, results: dict[str, dict[str, Any]], plan: dict[str, Any] | None, device: str) -> None:
-    sns.set_theme(style="whitegrid", context="notebook")
     order = list(results)
     epochs = pd.concat(
         [r["epochs"].assign(variant=n) for n, r in results.items() if len(r["epochs"])]
@@ -710,6 +709,7 @@ def main() -> None:
     grad = read_json(GRADCHECK) if GRADCHECK.exists() else None
     device = hw["device"]
     rep = Report()
+    sns.set_theme(style="whitegrid", context="notebook")  # every figure alike
     if hw["scale"] != "study":
         scale = p["scales"][hw["scale"]]
         rep.stamp = f"{hw['scale'].upper()} SCALE - not the tutorial's study"
