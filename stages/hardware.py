@@ -72,6 +72,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     info = describe(cuda)
     info["scale"] = params.resolve_scale(p, cuda)
+    params.check_distributed(p, info)  # here, before any long stage: more processes than GPUs, SyncBatchNorm on a CPU
     write_json(HARDWARE, info)
     where = info["gpu"]["name"] if cuda else info["cpu"]["name"]
     print(f"hardware: {info['device']} ({where}); scale: {info['scale']}")

@@ -101,3 +101,17 @@ def test_validation_names_the_keys_when_the_batch_cannot_be_split() -> None:
     with pytest.raises(params.ParamsError, match="distributed.sync_batchnorm = True is not allowed; SyncBatchNorm"):
         params.check_distributed(p, {"device": "cpu"})
     params.check_distributed(p, {"device": "cuda", "gpu": {"count": 2}})
+
+
+def test_hardware_stage_refuses_syncbatchnorm_on_the_cpu_before_any_work(workdir: Path) -> None:
+    """The first stage checks the rules that need the machine, so no long stage starts on a doomed setting."""
+    from stages import hardware
+
+    text = (workdir / "params.yaml").read_text()
+    text = text.replace("nproc_per_node: 1 ", "nproc_per_node: 2 ").replace(
+        "sync_batchnorm: false", "sync_batchnorm: true"
+    )
+    (workdir / "params.yaml").write_text(text)
+    with pytest.raises(params.ParamsError, match="distributed.sync_batchnorm = True is not allowed; SyncBatchNorm"):
+        hardware.main()
+    assert not (workdir / "data/hardware.json").exists()
