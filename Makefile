@@ -18,7 +18,7 @@ repro: $(BIN)/.installed
 	$(BIN)/dvc repro
 
 test: $(BIN)/.installed
-	$(BIN)/ruff check stages tests benchmarks
+	$(BIN)/ruff check gradaccum stages tests benchmarks
 	$(BIN)/python -m pytest -q tests
 
 test-fast: $(BIN)/.installed

@@ -16,10 +16,10 @@ import time
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from stages import distributed, params
-from stages.accumulation import micro_batch_size, schedule
-from stages.loop import train_epoch
-from stages.models import build_model
+from gradaccum import distributed, params
+from gradaccum.accumulation import micro_batch_size, schedule
+from gradaccum.loop import make_optimizer, make_scaler, train_epoch
+from gradaccum.models import build_model
 
 BATCH, ACCUM = 64, 4  # per window: 4 micro-batches of 8 on each of 2 ranks
 
@@ -30,7 +30,9 @@ def main() -> None:
     args = parser.parse_args()
     p = params.load()
     rank, world, device = distributed.setup("cpu")
-    model = distributed.wrap(build_model(**p["model"], norm="group", seed=p["seed"]), device, sync_batchnorm=False)
+    model = distributed.wrap(
+        build_model(**p.model.model_dump(), norm="group", seed=p.seed), device, sync_batchnorm=False
+    )
     calls: list[int] = []
 
     def counting_allreduce(state, bucket):  # no annotations: DDP checks them
@@ -38,8 +40,7 @@ def main() -> None:
         return default_hooks.allreduce_hook(None, bucket)
 
     model.register_comm_hook(None, counting_allreduce)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    opt, scaler = make_optimizer(model, lr=1e-4), make_scaler(device, None)
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (BATCH, 28, 28), dtype=torch.uint8, generator=g)
     labels = torch.randint(0, 10, (BATCH,), generator=g)

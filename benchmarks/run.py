@@ -29,14 +29,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stages import mnist, params, planner
-from stages.accumulation import micro_batch_size, schedule
-from stages.hardware import cpu_name
-from stages.loop import amp_dtype, train_epoch
-from stages.memory import MemorySampler
-from stages.models import build_model
-from stages.outputs import write_json
-from stages.sweep import run_point
+from gradaccum import mnist, params, planner
+from gradaccum.accumulation import micro_batch_size, schedule
+from gradaccum.loop import amp_dtype, make_optimizer, make_scaler, train_epoch
+from gradaccum.machine import cpu_name
+from gradaccum.memory import MemorySampler
+from gradaccum.models import build_model
+from gradaccum.outputs import write_json
+from gradaccum.sweep import run_point
 
 SIZES = {  # per device: images per timed run, micro-batch, effective batch, sweep sizes (fit / check)
     "cpu": {"images": 512, "micro": 128, "batch": 512, "fit": [64, 256, 512], "check": [128, 384]},
@@ -88,10 +88,9 @@ def on_device(arrays: dict[str, Any], n: int, device: torch.device) -> tuple[tor
 
 
 def setup(p: dict[str, Any], device: torch.device, norm: str = "group"):
-    model = build_model(**p["model"], norm=norm, seed=p["seed"]).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    dtype = amp_dtype(device, p["train"])
-    return model, opt, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16), dtype
+    model = build_model(**p.model.model_dump(), norm=norm, seed=p.seed).to(device)
+    dtype = amp_dtype(device, p.train)
+    return model, make_optimizer(model, lr=1e-4), make_scaler(device, dtype), dtype
 
 
 def bench_loops(p, device, s, arrays, repeats: int) -> dict[str, Any]:
@@ -178,7 +177,7 @@ def bench_sampler(p, device, s, arrays, repeats: int) -> dict[str, Any]:
         train_epoch(model, opt, scaler, images, labels, torch.arange(n, device=device), plan, dtype)
 
     def sampled() -> None:
-        with MemorySampler(device.type, p["memory"]["interval_ms"]):
+        with MemorySampler(device.type, p.memory.interval_ms):
             plain()
 
     plain()
@@ -187,20 +186,20 @@ def bench_sampler(p, device, s, arrays, repeats: int) -> dict[str, Any]:
         without += median_time(plain, 1)
         with_ += median_time(sampled, 1)
     a, b = statistics.median(without), statistics.median(with_)
-    probe = MemorySampler(device.type, p["memory"]["interval_ms"])
+    probe = MemorySampler(device.type, p.memory.interval_ms)
     start = time.perf_counter()
     for _ in range(50):
         probe.sample()
     per_sample = (time.perf_counter() - start) / 50  # the sampler's own cost, free of training noise
     return {
         "images": n,
-        "interval_ms": p["memory"]["interval_ms"],
+        "interval_ms": p.memory.interval_ms,
         "repeats": len(without),
         "seconds_without": a,
         "seconds_with": b,
         "overhead": b / a - 1,
         "sample_seconds": per_sample,
-        "duty_cycle": per_sample / (p["memory"]["interval_ms"] / 1000),
+        "duty_cycle": per_sample / (p.memory.interval_ms / 1000),
         "overhead_target": 0.01,
     }
 
@@ -237,6 +236,35 @@ def bench_ddp(repeats: int) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+LINES = {  # what each benchmark prints, filled from its result
+    "loop_vs_tutorial": "1. loop, {images} images, micro-batch {micro_batch} x {accum}: this project "
+    "{ours_images_per_s:.1f} img/s, tutorial's DataLoader loop {tutorial_images_per_s:.1f} img/s, ratio {ratio:.2f}",
+    "accumulation_cost": "2. accumulation at batch {batch}: accum 1 {accum_1_images_per_s:.1f}, accum 4 "
+    "{accum_4_images_per_s:.1f}, accum 8 {accum_8_images_per_s:.1f} img/s; 4/1 {accum_4_over_1:.2f}, "
+    "8/1 {accum_8_over_1:.2f}",
+    "sampler_overhead": "3. memory sampler every {interval_ms} ms, median of {repeats}: {seconds_without:.3f} s "
+    "without, {seconds_with:.3f} s with: overhead {overhead:+.2%} (target under 1%); one sample costs "
+    "{sample_ms:.3f} ms = {duty_cycle:.3%} of the interval",
+    "planner": "4. planner fit on {fit_on}: {fixed_mib:.0f} MiB + {per_sample_mib:.3f} MiB/sample",
+    "planner_check": "   micro-batch {micro_batch}: measured {measured_mib:.0f} MiB, predicted {predicted_mib:.0f} "
+    "MiB, predicted/measured {predicted_over_measured:.3f}",
+    "ddp_no_sync": "5. DDP, {world} gloo processes, batch {batch} = {accum} x {micro_batch} x {world}: all-reduces "
+    "per window {allreduces_per_window_no_sync:.0f} with no_sync, {allreduces_per_window_every_micro_batch:.0f} "
+    "without; {seconds_per_window_no_sync:.3f} s against {seconds_per_window_every_micro_batch:.3f} s per window "
+    "(without / with {every_micro_batch_over_no_sync:.2f})",
+}
+
+
+def line(key: str, r: dict[str, Any]) -> str:
+    """The printed line of one benchmark (the planner's with one more per checked micro-batch)."""
+    if key == "planner":
+        checks = [LINES["planner_check"].format_map(c) for c in r["checks"]]
+        return "\n".join([LINES[key].format_map(r | r["fit"]), *checks])
+    if key == "sampler_overhead":
+        r = r | {"sample_ms": r["sample_seconds"] * 1000}
+    return LINES[key].format_map(r)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="side-by-side benchmarks; prints a table, writes JSON")
     parser.add_argument("--repeats", type=int, default=3)
@@ -263,48 +291,16 @@ def main() -> None:
         "repeats": args.repeats,
         "date": time.strftime("%Y-%m-%d"),
     }
-    results["loop_vs_tutorial"] = r = bench_loops(p, device, s, arrays, args.repeats)
-    print(
-        f"1. loop, {r['images']} images, micro-batch {r['micro_batch']} x {r['accum']}: this project "
-        f"{r['ours_images_per_s']:.1f} img/s, tutorial's DataLoader loop {r['tutorial_images_per_s']:.1f} img/s, "
-        f"ratio {r['ratio']:.2f}",
-        flush=True,
+    benches = (  # (key in the JSON and LINES, the measurement)
+        ("loop_vs_tutorial", lambda: bench_loops(p, device, s, arrays, args.repeats)),
+        ("accumulation_cost", lambda: bench_accum(p, device, s, arrays, args.repeats)),
+        ("sampler_overhead", lambda: bench_sampler(p, device, s, arrays, args.repeats)),
+        ("planner", lambda: bench_planner(device, s)),
+        ("ddp_no_sync", lambda: bench_ddp(args.repeats)),
     )
-    results["accumulation_cost"] = r = bench_accum(p, device, s, arrays, args.repeats)
-    print(
-        f"2. accumulation at batch {r['batch']}: accum 1 {r['accum_1_images_per_s']:.1f}, accum 4 "
-        f"{r['accum_4_images_per_s']:.1f}, accum 8 {r['accum_8_images_per_s']:.1f} img/s; 4/1 "
-        f"{r['accum_4_over_1']:.2f}, 8/1 {r['accum_8_over_1']:.2f}",
-        flush=True,
-    )
-    results["sampler_overhead"] = r = bench_sampler(p, device, s, arrays, args.repeats)
-    print(
-        f"3. memory sampler every {r['interval_ms']} ms, median of {r['repeats']}: {r['seconds_without']:.3f} s "
-        f"without, {r['seconds_with']:.3f} s with: overhead {r['overhead']:+.2%} (target under 1%); one sample "
-        f"costs {r['sample_seconds'] * 1000:.3f} ms = {r['duty_cycle']:.3%} of the interval",
-        flush=True,
-    )
-    results["planner"] = r = bench_planner(device, s)
-    print(
-        f"4. planner fit on {r['fit_on']}: {r['fit']['fixed_mib']:.0f} MiB + {r['fit']['per_sample_mib']:.3f} "
-        f"MiB/sample",
-        flush=True,
-    )
-    for c in r["checks"]:
-        print(
-            f"   micro-batch {c['micro_batch']}: measured {c['measured_mib']:.0f} MiB, predicted "
-            f"{c['predicted_mib']:.0f} MiB, predicted/measured {c['predicted_over_measured']:.3f}",
-            flush=True,
-        )
-    results["ddp_no_sync"] = r = bench_ddp(args.repeats)
-    print(
-        f"5. DDP, {r['world']} gloo processes, batch {r['batch']} = {r['accum']} x {r['micro_batch']} x "
-        f"{r['world']}: all-reduces per window {r['allreduces_per_window_no_sync']:.0f} with no_sync, "
-        f"{r['allreduces_per_window_every_micro_batch']:.0f} without; {r['seconds_per_window_no_sync']:.3f} s "
-        f"against {r['seconds_per_window_every_micro_batch']:.3f} s per window "
-        f"(without / with {r['every_micro_batch_over_no_sync']:.2f})",
-        flush=True,
-    )
+    for key, bench in benches:
+        results[key] = bench()
+        print(line(key, results[key]), flush=True)
     write_json(args.out, results)
     print(f"wrote {args.out}")
 

@@ -26,10 +26,10 @@ mkdir -p "$out"
 out=$(realpath "$out")
 work="$out/work"
 rm -rf "$work" && mkdir -p "$work"
-cp -r "$repo/stages" "$repo/params.yaml" "$work/"
+cp -r "$repo/gradaccum" "$repo/stages" "$repo/params.yaml" "$work/"
 cd "$work"
 [ -z "$data" ] || sets+=(--set "data.source=$data")
-"$python" -m stages.params params.yaml "${sets[@]}"   # validated before any long work
+"$python" -m gradaccum.params params.yaml "${sets[@]}"   # validated before any long work
 
 start=$(date +%s)
 step() { echo "== $* ($(( $(date +%s) - start )) s)"; "$python" -m "$@"; }

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from stages import mnist, params
-from stages.outputs import write_json
+from gradaccum import mnist, params
+from gradaccum.outputs import write_json
 from stages.paths import DATASET, PROVENANCE, RAW_DIR
 
 
 def main() -> None:
     p = params.load()
-    data = p["data"]
-    arrays, provenance = mnist.prepare(data["dataset"], data["source"], data["fallback"], RAW_DIR / data["dataset"])
+    data = p.data
+    arrays, provenance = mnist.prepare(data.dataset, data.source, data.fallback, RAW_DIR / data.dataset)
     provenance["counts"] = {"train": int(len(arrays["train_y"])), "test": int(len(arrays["test_y"]))}
     provenance["image_shape"] = list(arrays["train_x"].shape[1:])
     mnist.save(arrays, DATASET)

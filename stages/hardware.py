@@ -6,65 +6,14 @@ re-runs training while a second `dvc repro` on the same machine stays cached.
 
 from __future__ import annotations
 
-import os
-import platform
-import shutil
-import subprocess
 import sys
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from stages import params
-from stages.outputs import write_json
+from gradaccum import params
+from gradaccum.machine import describe
+from gradaccum.outputs import write_json
 from stages.paths import HARDWARE
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def driver_version() -> str | None:
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        )
-        return out.stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return None
-
-
-def describe(cuda: bool) -> dict[str, Any]:
-    """Facts that decide results, and nothing that changes between two runs on one machine."""
-    info: dict[str, Any] = {
-        "device": "cuda" if cuda else "cpu",
-        "cpu": {"name": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-        "torch": torch.__version__,
-    }
-    if cuda:
-        props = torch.cuda.get_device_properties(0)
-        info["gpu"] = {
-            "name": props.name,
-            "memory_total_mib": props.total_memory // 2**20,
-            "capability": f"{props.major}.{props.minor}",
-            "cuda": torch.version.cuda,
-            "driver": driver_version(),
-            "count": torch.cuda.device_count(),
-        }
-    return info
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from stages import distributed, loop
-from stages.accumulation import micro_batch_size, schedule
+from gradaccum import distributed, loop
+from gradaccum.accumulation import micro_batch_size, schedule
 
 CASES = [  # (samples in the window = effective batch, accum); 45 = 2 ranks x 3 x micro 8 is not a multiple
     (48, 1),

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stages.accumulation import (
+from gradaccum.accumulation import (
     accumulated_gradient,
     micro_batch_size,
     relative_difference,
@@ -17,7 +17,7 @@ from stages.accumulation import (
     steps_per_epoch,
     windows,
 )
-from stages.models import build_model
+from gradaccum.models import build_model
 
 ARGS = {"name": "efficientnet_b0", "in_chans": 1, "num_classes": 10, "seed": 99, "group_norm_groups": 1}
 BATCH = 24

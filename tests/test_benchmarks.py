@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 from benchmarks.run import tutorial_loop, write_idx
-from stages.loop import normalize
+from gradaccum.loop import normalize
 
 
 def test_torchvision_mnist_reads_the_written_idx_files(tmp_path: Path) -> None:
@@ -45,3 +45,15 @@ def test_ddp_benchmark_counts_one_allreduce_per_window_with_no_sync() -> None:
     assert r["world"] == 2 and r["accum"] == 4 and r["micro_batch"] == 8
     assert r["allreduces_per_window_no_sync"] == 1 and r["allreduces_per_window_every_micro_batch"] == 4
     assert r["seconds_per_window_no_sync"] > 0 and r["seconds_per_window_every_micro_batch"] > 0
+
+
+def test_every_benchmark_line_formats_a_recorded_result() -> None:
+    """The printed lines name only keys the benchmarks write (checked on the committed CPU results)."""
+    import json
+
+    from benchmarks.run import LINES, line
+
+    recorded = json.loads(sorted(Path(__file__).parent.parent.glob("benchmarks/results/cpu-*.json"))[-1].read_text())
+    for key in (k for k in LINES if k != "planner_check"):
+        text = line(key, recorded[key])
+        assert text[0].isdigit() and "{" not in text, text

@@ -10,8 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from stages import memory
-from stages.memory import APP_FIELDS, GPU_FIELDS, MemorySampler, parse_csv
+from gradaccum import memory
+from gradaccum.memory import APP_FIELDS, GPU_FIELDS, MemorySampler, parse_csv
 
 # As nvidia-smi prints them (driver 5xx): units in the header and the values, "[N/A]" under MIG or
 # WDDM, "[Not Supported]" where a board has no such counter, a header alone when no process runs.
@@ -217,7 +217,7 @@ def test_peak_rss_of_a_child_is_its_own_not_its_parents() -> None:
 
     block = bytearray(600 * memory.MIB)
     block[::4096] = b"x" * len(block[::4096])
-    code = "from stages.memory import peak_rss_mib; print(peak_rss_mib())"
+    code = "from gradaccum.memory import peak_rss_mib; print(peak_rss_mib())"
     child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert memory.peak_rss_mib() > 600 and child < 300
     del block

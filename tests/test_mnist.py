@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages import mnist
+from gradaccum import mnist
 
 UNREACHABLE = ["http://127.0.0.1:9/"]  # the discard port: connection refused at once, no network needed
 

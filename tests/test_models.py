@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 from timm.layers import GroupNormAct
 from torch import nn
 
-from stages.models import batchnorm_to_groupnorm, build_model, count_parameters
+from gradaccum.accumulation import relative_difference
+from gradaccum.models import batchnorm_to_groupnorm, build_model, count_parameters
 
 ARGS = {"name": "efficientnet_b0", "in_chans": 1, "num_classes": 10, "seed": 99}
 
@@ -52,12 +56,29 @@ def test_plain_batchnorm_and_num_groups() -> None:
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 8, 6, 6)
 
 
-def test_gradient_does_not_depend_on_batch_with_groupnorm(models: tuple[nn.Module, nn.Module]) -> None:
-    _, gn = models
-    x = torch.randn(4, 1, 28, 28)
-    gn.eval()
-    with torch.no_grad():
-        assert torch.allclose(gn(x)[:2], gn(x[:2]), atol=1e-5)  # per-sample: no mixing across the batch
+@pytest.mark.parametrize("norm", ["group", "batch"])
+def test_gradient_of_a_sample_depends_on_its_batch_only_with_batchnorm(
+    models: tuple[nn.Module, nn.Module], norm: str
+) -> None:
+    """In train mode (as accumulation runs), the gradient of two samples' loss, alone or inside a batch of 8.
+
+    GroupNorm normalizes each sample by itself: the same gradient. BatchNorm normalizes by the batch's
+    statistics: another gradient, which is why the tutorial had to swap it for accumulation.
+    """
+    model = copy.deepcopy(models[norm == "group"]).train()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+    def gradient(batch: int) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x[:batch])[:2], y[:2]).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    diff = relative_difference(gradient(8), gradient(2))
+    if norm == "group":
+        assert diff < 1e-5
+    else:
+        assert diff > 1e-2
 
 
 def test_the_tutorials_plain_swap_drops_the_fused_activations(models: tuple[nn.Module, nn.Module]) -> None:

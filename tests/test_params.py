@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stages import params
+from gradaccum import params
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -32,7 +32,9 @@ def error_for(p: dict) -> str:
 
 
 def test_defaults_are_valid() -> None:
-    assert params.load(ROOT / "params.yaml")["accum"] == DEFAULTS["accum"]
+    p = params.load(ROOT / "params.yaml")
+    assert isinstance(p, params.Params) and p.accum == DEFAULTS["accum"]  # the typed model, not a dict
+    assert p.scale_settings("cpu").batch == DEFAULTS["scales"]["cpu"]["batch"]
 
 
 CPU_BATCH = DEFAULTS["scales"]["cpu"]["batch"]
@@ -135,25 +137,28 @@ def test_yaml_syntax_error_names_file(tmp_path: Path) -> None:
 
 
 def test_scale_resolution() -> None:
-    assert params.resolve_scale(DEFAULTS, cuda=False) == "cpu"
-    assert params.resolve_scale(DEFAULTS, cuda=True) == "study"
+    p = params.check(copy.deepcopy(DEFAULTS))
+    assert params.resolve_scale(p, cuda=False) == "cpu"
+    assert params.resolve_scale(p, cuda=True) == "study"
     with pytest.raises(params.ParamsError, match="scale = 'study'.*needs a CUDA GPU"):
-        params.resolve_scale(with_change("scale", "study"), cuda=False)
+        params.resolve_scale(params.check(with_change("scale", "study")), cuda=False)
 
 
 def test_variant_accum_follows_top_level_key() -> None:
-    p = with_change("accum", 8)
+    p = params.check(with_change("accum", 8))
     assert params.variant_accum_steps(p, "accumulation") == 8
     assert params.variant_accum_steps(p, "baseline") == 1
-    auto = with_change("accum", "auto")
+    auto = params.check(with_change("accum", "auto"))
     assert params.variant_accum_steps(auto, "accumulation", resolved_accum=3) == 3
     with pytest.raises(params.ParamsError, match="accum = 'auto' needs the memory planner"):
         params.variant_accum_steps(auto, "accumulation")
 
 
 def test_set_values_like_dvc_exp_run() -> None:
-    p = params.set_values(copy.deepcopy(DEFAULTS), ["accum=8", "scales.cpu.sweep_micro_batches=[8, 16]"])
-    assert p["accum"] == 8 and p["scales"]["cpu"]["sweep_micro_batches"] == [8, 16]
+    raw = copy.deepcopy(DEFAULTS)
+    p = params.set_values(raw, ["accum=8", "scales.cpu.sweep_micro_batches=[8, 16]"])
+    assert p.accum == 8 and p.scales.cpu.sweep_micro_batches == [8, 16]
+    assert raw["accum"] == 8  # the plain values changed too: what `python -m gradaccum.params -S` writes back
     with pytest.raises(params.ParamsError, match="'scales.cpu.epoch': unknown key; did you mean 'scales.cpu.epochs'"):
         params.set_values(copy.deepcopy(DEFAULTS), ["scales.cpu.epoch=2"])
     with pytest.raises(params.ParamsError, match="expected KEY=VALUE"):
@@ -203,7 +208,7 @@ def test_variant_names_are_identifiers() -> None:
 def test_schema_file_is_current_and_accepts_params_yaml() -> None:
     """params.schema.json is what editors check params.yaml against: it must match the pydantic model."""
     written = (ROOT / "params.schema.json").read_text()
-    assert written == params.json_schema(), "run: python -m stages.params --schema"
+    assert written == params.json_schema(), "run: python -m gradaccum.params --schema"
     schema = json.loads(written)
     assert schema["additionalProperties"] is False and set(schema["required"]) == set(DEFAULTS)
     assert schema["$defs"]["Scale"]["properties"]["batch"]["minimum"] == 1
@@ -211,7 +216,7 @@ def test_schema_file_is_current_and_accepts_params_yaml() -> None:
 
 def test_tutorial_switches_default_to_the_corrected_code() -> None:
     p = params.check(copy.deepcopy(DEFAULTS))
-    assert p["variants"]["accumulation"] | {} == {
+    assert p.variants["accumulation"].model_dump() == {
         **DEFAULTS["variants"]["accumulation"],
         "weighting": "exact",
         "epoch_end_step": True,
@@ -219,8 +224,8 @@ def test_tutorial_switches_default_to_the_corrected_code() -> None:
         "checkpointing": False,
         "precision": "default",
     }
-    tutorial = p["variants"]["tutorial_accumulation"]
-    assert (tutorial["weighting"], tutorial["epoch_end_step"], tutorial["swap"]) == ("divide", False, "plain")
+    tutorial = p.variants["tutorial_accumulation"]
+    assert (tutorial.weighting, tutorial.epoch_end_step, tutorial.swap) == ("divide", False, "plain")
     msg = error_for(with_change("variants.tutorial_accumulation.weighting", "mean"))
     assert "variants.tutorial_accumulation.weighting = 'mean' is not allowed; expected one of exact" in msg
     msg = error_for(with_change("variants.accumulation.epoch_end_step", "no"))

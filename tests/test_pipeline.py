@@ -95,6 +95,28 @@ def test_second_repro_reruns_only_the_hardware_check(repo, repro: str) -> None:
     assert ran(run(["dvc", "repro"], path, env)) == {"hardware"}
 
 
+def test_report_only_setting_reruns_only_the_report(repo, repro: str) -> None:
+    path, env = repo
+    out = run(["dvc", "exp", "run", "-S", "memory.cards_gb=[8,24]"], path, env)
+    assert ran(out) == {"hardware", "report"}  # hardware always runs; its output is unchanged, so nothing follows
+    assert "| 24 |" in (path / "reports/report.md").read_text()
+
+
+def test_a_comment_in_the_ddp_module_makes_training_stale(repo, repro: str) -> None:
+    """What DVC says after an edit of library code: the stages that run it changed, the others not."""
+    path, env = repo
+    module = path / "gradaccum/distributed.py"
+    original = module.read_text()
+    module.write_text(original + "# an edit\n")
+    try:
+        stale = set(json.loads(run(["dvc", "status", "--json"], path, env)))
+    finally:
+        module.write_text(original)
+    variants = yaml.safe_load((path / "params.yaml").read_text())["variants"]
+    assert {f"train@{v}" for v in variants} | {"sweep", "gradcheck"} <= stale
+    assert not stale & {"download", "report"}
+
+
 def test_exp_run_reruns_only_the_variants_that_follow_accum(repo, repro: str) -> None:
     path, env = repo
     out = run(["dvc", "exp", "run", "-S", "accum=2"], path, env)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from stages import planner
+from gradaccum import planner
 
 MODEL = {"fixed_mib": 1000.0, "per_sample_mib": 3.5}
 

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from PIL import Image
 
+from gradaccum.loop import EPOCH_COLUMNS
+from gradaccum.memory import TIMELINE_COLUMNS
+from gradaccum.outputs import write_json, write_table
 from stages import report
-from stages.loop import EPOCH_COLUMNS
-from stages.memory import TIMELINE_COLUMNS
-from stages.outputs import write_json, write_table
 
 VARIANTS = {
     "baseline": ("batch", 1, 1e-3),
@@ -77,6 +77,7 @@ def variant_outputs(root: Path, name: str, device: str, batch: int, fit: bool, p
             else {"weighting": "exact", "epoch_end_step": True, "swap": "keep_act"}
         ),
         "accum": accum,
+        "accum_setting": accum,
         "micro_batch": -(-batch // accum),
         "batch": batch,
         "lr": lr,
@@ -164,8 +165,15 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
     if device == "cuda":  # what scripts/gpu_check.sh leaves for PyTorch's memory viewer
         (root / "reports/variants/accumulation/memory_snapshot.pickle").write_bytes(b"\x80" * 2**20)
     fit = {"fixed_mib": 1200.0, "per_sample_mib": 1.6, "r2": 0.999}
-    points = [{"micro_batch": m, "fit": True, "peak_mib": 1200 + 1.6 * m} for m in (256, 1024, 4096)]
-    points.append({"micro_batch": 32768, "fit": False, "peak_mib": None, "error": "out of memory"})
+    points = [
+        {"micro_batch": m, "checkpointing": False, "fit": True, "peak_mib": 1200 + 1.6 * m, "images_per_s": 900.0}
+        for m in (256, 1024, 4096)
+    ]
+    points += [
+        {"micro_batch": m, "checkpointing": True, "fit": True, "peak_mib": 1200 + 0.6 * m, "images_per_s": 700.0}
+        for m in (256, 1024, 8192)
+    ]
+    points.append({"micro_batch": 32768, "checkpointing": False, "fit": False, "peak_mib": None, "error": "oom"})
     write_json(
         root / "reports/sweep/planner.json",
         {
@@ -176,48 +184,9 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
             "fit": fit,
             "points": points,
             "fit_checkpointing": {"fixed_mib": 1200.0, "per_sample_mib": 0.6, "r2": 0.998},
-            "this_machine": {
-                "memory_mib": 24564,
-                "what": "test",
-                "safety_margin": 0.1,
-                "options": [
-                    {
-                        "lever": "accumulation",
-                        "accum": 3,
-                        "micro_batch": 10923,
-                        "predicted_peak_mib": 18677,
-                        "images_per_s": 900.0,
-                    },
-                ],
-            },
+            "this_machine": {"memory_mib": 24564, "what": "test", "safety_margin": 0.1},
             "auto_accum": 3,
             "auto_accum_checkpointing": 1,
-            "cards": [
-                {
-                    "card_gb": 8,
-                    "usable_mib": 7373,
-                    "largest_micro_batch": 3858,
-                    "smallest_accum": 9,
-                    "micro_batch": 3641,
-                    "predicted_peak_mib": 7026,
-                    "options": [
-                        {
-                            "lever": "checkpointing",
-                            "accum": 4,
-                            "micro_batch": 8192,
-                            "predicted_peak_mib": 6115,
-                            "images_per_s": 700.0,
-                        },
-                        {
-                            "lever": "accumulation",
-                            "accum": 9,
-                            "micro_batch": 3641,
-                            "predicted_peak_mib": 7026,
-                            "images_per_s": 650.0,
-                        },
-                    ],
-                }
-            ],
         },
     )
     write_json(
@@ -315,7 +284,7 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
         assert "torch max reserved (MiB)" in rows["accumulation"] and "out of memory" in rows["baseline"]["why not"]
     if device == "cpu":
         assert md.splitlines()[2].startswith("> **CPU SCALE - not the tutorial's study")
-        assert 'class="banner">CPU SCALE' in html
+        assert '<blockquote class="banner">\n<p><strong>CPU SCALE' in html
     else:
         assert "SCALE - not the tutorial" not in md and "## nvidia-smi at each variant's peak" in md
         assert "memory snapshot of accumulation's first optimizer step: variants/accumulation/memory_snap" in md
@@ -338,13 +307,27 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
 
     grad = md_table(md, "Is the accumulated gradient the large-batch gradient?")
     assert [float(r["relative difference"]) for r in grad] == [3e-7, 1.3]
+    # The card table is the report's, from the sweep's fits and memory.cards_gb; worked out by hand for 8 GB
+    # (7373 MiB usable): plain 1200 + 1.6 x micro fits 3858, checkpointing 1200 + 0.6 x micro fits 10288.
     cards = md_table(md, "Which card fits: the memory planner")
-    assert int(cards[0]["smallest accum"]) == 9
-    assert cards[0]["options that fit, fastest first"] == (
-        "checkpointing, accum 4 (micro-batch 8192): 6115 MiB, 700 images/s; "
-        "accum 9 (micro-batch 3641): 7026 MiB, 650 images/s"
-    )
-    assert "accum: auto is 3 (with checkpointing: 1); the fastest option that fits here: accum 3" in md
+    assert [float(c["card (GB)"]) for c in cards] == yaml.safe_load((workdir / "params.yaml").read_text())["memory"][
+        "cards_gb"
+    ]
+    if device == "cuda":  # batch 32768
+        assert int(cards[0]["smallest accum"]) == 9
+        assert cards[0]["options that fit, fastest first"] == (
+            "accum 9 (micro-batch 3641): 7026 MiB, 900 images/s; "
+            "checkpointing, accum 4 (micro-batch 8192): 6115 MiB, 700 images/s"
+        )
+        assert (
+            "accum: auto is 3 (with checkpointing: 1); the fastest option that fits here: accum 3 (micro-batch 10923)"
+            in md
+        )
+    else:  # batch 1024 fits whole
+        assert int(cards[0]["smallest accum"]) == 1
+        assert cards[0]["options that fit, fastest first"].startswith(
+            "accum 1 (micro-batch 1024): 2838 MiB, 900 images/s"
+        )
 
 
 def test_report_without_variants_says_what_to_run(workdir: Path) -> None:

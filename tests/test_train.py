@@ -1,4 +1,4 @@
-"""The loop (stages/loop.py) and the train stage: steps at window ends only, skipped steps counted, learns."""
+"""The loop (gradaccum/loop.py) and the train stage: steps at window ends only, skipped steps counted, learns."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 import yaml
 from torch import nn
 
-from stages import loop, mnist
+from gradaccum import experiment, loop, mnist, params
+from gradaccum.accumulation import schedule
+from gradaccum.outputs import write_json
 from stages import train as train_stage
-from stages.accumulation import schedule
-from stages.outputs import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_BATCH = yaml.safe_load((ROOT / "params.yaml").read_text())["scales"]["cpu"]["batch"]
@@ -133,7 +133,7 @@ def test_out_of_memory_is_a_result(workdir: Path, monkeypatch: pytest.MonkeyPatc
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
 
-    monkeypatch.setattr(train_stage, "train", oom)
+    monkeypatch.setattr(experiment, "train", oom)
     train_stage.main("baseline")
     metrics = json.loads((workdir / "reports/variants/baseline/metrics.json").read_text())
     assert metrics["fit"] is False and "out of memory" in metrics["did_not_fit"]["reason"]
@@ -145,7 +145,7 @@ def test_out_of_memory_is_a_result(workdir: Path, monkeypatch: pytest.MonkeyPatc
 def test_over_host_budget_is_not_run(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stage_inputs(workdir)
     write_json(workdir / "reports/sweep/planner.json", {"fit": {"fixed_mib": 800.0, "per_sample_mib": 100.0}})
-    monkeypatch.setattr(train_stage, "train", lambda *a, **k: pytest.fail("must not train"))
+    monkeypatch.setattr(experiment, "train", lambda *a, **k: pytest.fail("must not train"))
     train_stage.main("baseline")  # 800 + 100 MiB x the CPU batch is far over the 16 GB budget
     metrics = json.loads((workdir / "reports/variants/baseline/metrics.json").read_text())
     assert metrics["fit"] is False and "over memory.host_budget_gb" in metrics["did_not_fit"]["reason"]
@@ -165,7 +165,7 @@ def test_accum_auto_resolves_from_the_planner(workdir: Path, monkeypatch: pytest
         seen.update(kwargs)
         return []
 
-    monkeypatch.setattr(train_stage, "train", fake_train)
+    monkeypatch.setattr(experiment, "train", fake_train)
     train_stage.main("accumulation")
     metrics = json.loads((workdir / "reports/variants/accumulation/metrics.json").read_text())
     assert seen["accum"] == 3 and metrics["accum"] == 3 and metrics["accum_setting"] == "auto"
@@ -196,7 +196,7 @@ def test_tutorial_loop_carries_gradient_into_the_next_epoch() -> None:
 
 def test_precision_lever_flips_autocast() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    train = {"amp_cuda": "float16", "amp_cpu": "float32"}
+    train = params.Train(weight_decay=0.0, amp_cuda="float16", amp_cpu="float32", eval_batch=64)
     assert loop.amp_dtype(cpu, train) is None and loop.amp_dtype(cpu, train, "other") == torch.bfloat16
     assert loop.amp_dtype(cuda, train) == torch.float16 and loop.amp_dtype(cuda, train, "other") is None
-    assert loop.amp_dtype(cpu, {**train, "amp_cpu": "bfloat16"}, "other") is None
+    assert loop.amp_dtype(cpu, train.model_copy(update={"amp_cpu": "bfloat16"}), "other") is None

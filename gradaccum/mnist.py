@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from stages.outputs import atomic_path
+from gradaccum.outputs import atomic_path
 
 # Train files first: a training set is what a fallback cannot replace cheaply.
 FILES = (
@@ -234,3 +234,14 @@ def save(arrays: dict[str, np.ndarray], path: Path) -> None:
 def load(path: Path) -> dict[str, np.ndarray]:
     with np.load(path) as data:
         return {key: data[key] for key in data.files}
+
+
+def load_tensors(path: Path, device: Any, train_samples: int, test_samples: int) -> dict[str, Any]:
+    """The whole (sub)set on the device as uint8 images and int64 labels, once; batches are index lookups."""
+    import torch
+
+    arrays = load(path)
+    keep = {"train_x": train_samples, "train_y": train_samples, "test_x": test_samples, "test_y": test_samples}
+    data = {key: torch.from_numpy(np.ascontiguousarray(arrays[key][:n])).to(device) for key, n in keep.items()}
+    data["train_y"], data["test_y"] = data["train_y"].long(), data["test_y"].long()
+    return data

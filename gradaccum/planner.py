@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 GIB_MIB = 1024  # card sizes are in GB as vendors and nvidia-smi's MiB/1024 use them
+LEVERS = {"accumulation": False, "checkpointing": True}  # the sweep's two lines: activation checkpointing off, on
 
 
 def fit(micro_batches: Sequence[int], peaks_mib: Sequence[float]) -> dict[str, float]:
@@ -108,3 +109,30 @@ def card_table(
             row["options"] = options(fits, speeds, budget, batch)  # fastest first
         rows.append(row)
     return rows
+
+
+def levers(plan: dict[str, Any]) -> tuple[dict[str, dict[str, float]], dict[str, tuple[list[int], list[float]]]]:
+    """From the sweep's result: each lever's fit, and its measured images/s against micro-batch (sorted)."""
+    fits = {"accumulation": plan["fit"], "checkpointing": plan["fit_checkpointing"]}
+    speeds = {}
+    for lever, checkpointing in LEVERS.items():
+        points = sorted(
+            (p["micro_batch"], p["images_per_s"])
+            for p in plan["points"]
+            if p["fit"] and p["checkpointing"] == checkpointing
+        )
+        speeds[lever] = ([m for m, _ in points], [s for _, s in points])
+    return fits, speeds
+
+
+def cards_for(plan: dict[str, Any], cards_gb: Sequence[float], margin: float) -> list[dict[str, Any]]:
+    """The card table for the sweep's result: built by the report, so card sizes re-run the report only."""
+    fits, speeds = levers(plan)
+    return card_table(plan["fit"], plan["batch"], cards_gb, margin, fits, speeds)
+
+
+def this_machine_options(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The options that fit this machine's memory (less the safety margin the sweep used), fastest first."""
+    fits, speeds = levers(plan)
+    machine = plan["this_machine"]
+    return options(fits, speeds, machine["memory_mib"] * (1 - machine["safety_margin"]), plan["batch"])

@@ -11,16 +11,15 @@ import time
 from contextlib import nullcontext
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from stages import distributed, mnist
-from stages.accumulation import MicroBatch, micro_batch_size, schedule
-from stages.paths import DATASET
+from gradaccum import distributed
+from gradaccum.accumulation import MicroBatch, micro_batch_size, schedule
+from gradaccum.params import Train
 
 EPOCH_COLUMNS = (
     "epoch",
@@ -35,15 +34,25 @@ EPOCH_COLUMNS = (
 AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": None}  # float32: no autocast
 
 
-def amp_dtype(device: torch.device, train: dict[str, Any], precision: str = "default") -> torch.dtype | None:
+def amp_dtype(device: torch.device, train: Train, precision: str = "default") -> torch.dtype | None:
     """float16 needs a GradScaler (small gradients underflow); bfloat16 has float32's range and does not.
 
     precision="other" is the precision lever: float32 where the default autocasts, else autocast.
     """
-    default = AMP_DTYPES[train["amp_cuda"] if device.type == "cuda" else train["amp_cpu"]]
+    default = AMP_DTYPES[train.amp_cuda if device.type == "cuda" else train.amp_cpu]
     if precision == "default":
         return default
     return None if default is not None else (torch.float16 if device.type == "cuda" else torch.bfloat16)
+
+
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.01) -> torch.optim.Optimizer:
+    """AdamW, as the tutorial: the one optimizer every run of the loop uses (stages, sweep, benchmarks)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+
+def make_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.GradScaler:
+    """A GradScaler that scales only under float16 autocast; elsewhere a pass-through with the same calls."""
+    return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
 
 def normalize(images: torch.Tensor) -> torch.Tensor:
@@ -132,8 +141,8 @@ def train(
     With world > 1, `model` is DDP-wrapped and each rank runs its share of every window.
     """
     device = data["train_x"].device
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    opt = make_optimizer(model, lr, weight_decay)
+    scaler = make_scaler(device, dtype)
     n = len(data["train_y"])
     micro = micro_batch_size(batch, accum * world)  # per rank: a window is accum x world micro-batches
     plan = schedule(n, micro, accum, weighting, epoch_end_step, rank, world)  # same split every epoch
@@ -169,12 +178,3 @@ def train(
                 f"{n / seconds:.0f} img/s  {steps} steps ({skipped} skipped)"
             )
     return rows
-
-
-def load_data(device: torch.device, train_samples: int, test_samples: int) -> dict[str, torch.Tensor]:
-    """The whole (sub)set on the device as uint8 tensors, once; batches are index lookups."""
-    arrays = mnist.load(DATASET)
-    keep = {"train_x": train_samples, "train_y": train_samples, "test_x": test_samples, "test_y": test_samples}
-    data = {key: torch.from_numpy(np.ascontiguousarray(arrays[key][:n])).to(device) for key, n in keep.items()}
-    data["train_y"], data["test_y"] = data["train_y"].long(), data["test_y"].long()
-    return data

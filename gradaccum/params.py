@@ -4,9 +4,9 @@ The schema is the pydantic model `Params` below: every field says what it allows
 is both the error message and the description editors show from `params.schema.json`. Every
 error is one line naming the key, the bad value and what is allowed.
 
-    python -m stages.params                     # check params.yaml
-    python -m stages.params FILE -S accum=8     # write a checked copy with changes (like dvc exp run -S)
-    python -m stages.params --schema            # rewrite params.schema.json from the model
+    python -m gradaccum.params                     # check params.yaml
+    python -m gradaccum.params FILE -S accum=8     # write a checked copy with changes (like dvc exp run -S)
+    python -m gradaccum.params --schema            # rewrite params.schema.json from the model
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gradaccum.tutorial import CORRECTED
 
 PARAMS_FILE = Path("params.yaml")
 SCHEMA_FILE = Path("params.schema.json")
@@ -116,15 +118,16 @@ class Variant(Section):
     extra: str = _allowed("the one more top-level key this variant's stage depends on")
     # The three corrections to the tutorial's code, each a switch (the defaults are the corrected code):
     weighting: Literal["exact", "divide"] = _allowed(
-        "one of exact (each micro-batch's share of its window), divide (loss / accum, the tutorial)", default="exact"
+        "one of exact (each micro-batch's share of its window), divide (loss / accum, the tutorial)",
+        default=CORRECTED["weighting"],
     )
     epoch_end_step: bool = _allowed(
         "true (every epoch ends with a step) or false (the tutorial: the rest carries into the next epoch)",
-        default=True,
+        default=CORRECTED["epoch_end_step"],
     )
     swap: Literal["keep_act", "plain"] = _allowed(
         "one of keep_act (GroupNormAct keeps timm's fused activation), plain (nn.GroupNorm, the tutorial)",
-        default="keep_act",
+        default=CORRECTED["swap"],
     )
     # The other memory levers:
     checkpointing: bool = _allowed(
@@ -162,6 +165,10 @@ class Params(Section):
     variants: dict[VariantName, Variant] = _allowed(
         "a mapping of variant name -> {norm, accum, lr, extra}", min_length=1
     )
+
+    def scale_settings(self, name: str) -> Scale:
+        """scales.<name>: the sizes of the study or of the CPU scale."""
+        return getattr(self.scales, name)
 
     @field_validator("accum", mode="before")
     @classmethod
@@ -232,35 +239,34 @@ def _message(error: dict[str, Any]) -> str:
     return f"params.yaml: {key} = {value!r} is not allowed; {allowed}"
 
 
-def check(values: Any) -> dict[str, Any]:
-    """Validate params (schema, then the rules that span keys); returns them as plain values."""
+def check(values: Any) -> Params:
+    """Validate params (schema, then the rules that span keys); returns the typed model the code passes around."""
     if not isinstance(values, dict):
         _fail("the top level", values, "expected a mapping of the keys " + ", ".join(Params.model_fields))
     try:
-        valid = Params.model_validate(values)
+        p = Params.model_validate(values)
     except ValidationError as err:
         raise ParamsError(_message(err.errors()[0])) from None
-    values["variants"] = {name: v.model_dump() for name, v in valid.variants.items()}  # switches' defaults filled
-    for name, variant in values["variants"].items():
-        if variant.get("checkpointing") and variant["norm"] == "batch":
+    for name, variant in p.variants.items():
+        if variant.checkpointing and variant.norm == "batch":
             _fail(
                 f"variants.{name}.checkpointing",
                 True,
                 "BatchNorm under checkpointing updates its running statistics twice per forward (pytorch#96136); "
                 "use norm: group",
             )
-        extra = variant["extra"]
-        if extra not in values:
-            _fail(f"variants.{name}.extra", extra, "expected a top-level key, one of " + ", ".join(values))
-        if variant["accum"] == "accum" and extra != "accum":
-            _fail(f"variants.{name}.extra", extra, "a variant with accum: accum must have extra: accum")
-    world = values["distributed"]["nproc_per_node"]
-    for name, scale in values["scales"].items():
-        check_accum(values["accum"], scale["batch"], f"scales.{name}.batch", world=world)
-        for vname, variant in values["variants"].items():
-            if is_int(variant["accum"]):
-                check_accum(variant["accum"], scale["batch"], f"scales.{name}.batch", f"variants.{vname}.accum", world)
-    return values
+        if variant.extra not in Params.model_fields:
+            _fail(f"variants.{name}.extra", variant.extra, "expected a top-level key, one of " + ", ".join(values))
+        if variant.accum == "accum" and variant.extra != "accum":
+            _fail(f"variants.{name}.extra", variant.extra, "a variant with accum: accum must have extra: accum")
+    world = p.distributed.nproc_per_node
+    for name in ("study", "cpu"):
+        batch = p.scale_settings(name).batch
+        check_accum(p.accum, batch, f"scales.{name}.batch", world=world)
+        for vname, variant in p.variants.items():
+            if is_int(variant.accum):
+                check_accum(variant.accum, batch, f"scales.{name}.batch", f"variants.{vname}.accum", world)
+    return p
 
 
 def check_accum(accum: Any, batch: int, batch_key: str, key: str = "accum", world: int = 1) -> None:
@@ -276,9 +282,9 @@ def check_accum(accum: Any, batch: int, batch_key: str, key: str = "accum", worl
         )
 
 
-def check_distributed(values: dict[str, Any], hardware: dict[str, Any]) -> None:
+def check_distributed(p: Params, hardware: dict[str, Any]) -> None:
     """The rules that need the machine: one process per visible GPU at most; SyncBatchNorm needs GPUs."""
-    nproc, sync_bn = values["distributed"]["nproc_per_node"], values["distributed"]["sync_batchnorm"]
+    nproc, sync_bn = p.distributed.nproc_per_node, p.distributed.sync_batchnorm
     gpus = hardware.get("gpu", {}).get("count", 0) if hardware["device"] == "cuda" else 0
     if hardware["device"] == "cuda" and nproc > gpus:
         _fail("distributed.nproc_per_node", nproc, f"expected at most the {gpus} visible GPU(s), one process each")
@@ -286,15 +292,19 @@ def check_distributed(values: dict[str, Any], hardware: dict[str, Any]) -> None:
         _fail("distributed.sync_batchnorm", sync_bn, "SyncBatchNorm runs on GPUs only; use false on the CPU")
 
 
-def load(path: Path = PARAMS_FILE) -> dict[str, Any]:
+def load(path: Path = PARAMS_FILE) -> Params:
     """Read and check params.yaml; a YAML syntax error also names the file."""
+    return check(read(path))
+
+
+def read(path: Path = PARAMS_FILE) -> Any:
+    """params.yaml as plain YAML values, unchecked (what `set_values` edits)."""
     try:
-        values = yaml.safe_load(Path(path).read_text())
+        return yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
         raise ParamsError(f"{path}: not found; run from the repository root") from None
     except yaml.YAMLError as err:
         raise ParamsError(f"{path}: not valid YAML: {err}") from None
-    return check(values)
 
 
 def json_schema() -> str:
@@ -305,9 +315,9 @@ def json_schema() -> str:
     return json.dumps(schema, indent=2) + "\n"
 
 
-def resolve_scale(params: dict[str, Any], cuda: bool) -> str:
+def resolve_scale(p: Params, cuda: bool) -> str:
     """The scale that runs here: the study needs a CUDA GPU, everything else gets the CPU scale."""
-    scale = params["scale"]
+    scale = p.scale
     if scale == "auto":
         return "study" if cuda else "cpu"
     if scale == "study" and not cuda:
@@ -315,20 +325,20 @@ def resolve_scale(params: dict[str, Any], cuda: bool) -> str:
     return scale
 
 
-def variant_accum_steps(params: dict[str, Any], variant: str, resolved_accum: int | None = None) -> int:
+def variant_accum_steps(p: Params, variant: str, resolved_accum: int | None = None) -> int:
     """The accumulation steps a variant runs with: its own integer, or the top-level accum (resolved if auto)."""
-    value = params["variants"][variant]["accum"]
+    value = p.variants[variant].accum
     if value != "accum":
         return value
-    if params["accum"] == "auto":
+    if p.accum == "auto":
         if resolved_accum is None:
             raise ParamsError("params.yaml: accum = 'auto' needs the memory planner's result (the sweep stage)")
         return resolved_accum
-    return params["accum"]
+    return p.accum
 
 
-def set_values(p: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
-    """`key.sub=value` assignments, values read as YAML (like `dvc exp run -S`); unknown keys rejected."""
+def set_values(p: dict[str, Any], assignments: list[str]) -> Params:
+    """`key.sub=value` assignments on plain values, read as YAML (like `dvc exp run -S`); unknown keys rejected."""
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         if not sep:
@@ -350,7 +360,7 @@ if __name__ == "__main__":
     import argparse
     import sys
 
-    from stages.outputs import write_text
+    from gradaccum.outputs import write_text
 
     parser = argparse.ArgumentParser(description="check params.yaml, or write a copy with KEY=VALUE changes")
     parser.add_argument("file", type=Path, nargs="?", default=PARAMS_FILE)
@@ -361,7 +371,8 @@ if __name__ == "__main__":
         write_text(SCHEMA_FILE, json_schema())
         sys.exit(f"{SCHEMA_FILE}: written")
     try:
-        values = set_values(load(args.file), args.set)
+        values = read(args.file)
+        set_values(values, args.set)
     except ParamsError as err:
         sys.exit(f"error: {err}")
     if args.set:

@@ -1,0 +1,221 @@
+"""One variant of the study, run and measured: the loop inside the memory sampler, its record assembled.
+
+The `train@<variant>` stage wires the pipeline's files around `run_variant`; the loop itself is
+`gradaccum/loop.py`.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradaccum import distributed, params, planner
+from gradaccum.accumulation import micro_batch_size
+from gradaccum.loop import amp_dtype, train
+from gradaccum.memory import FirstStepSnapshot, MemorySampler
+from gradaccum.models import build_model, count_parameters
+from gradaccum.params import Params, Scale, Variant
+from gradaccum.records import DidNotFit, MemoryPeaks, VariantRecord
+from gradaccum.tutorial import CORRECTED, kept_mistakes
+
+
+def resolved_accum(p: Params, plan: dict[str, Any] | None, checkpointing: bool = False) -> int | None:
+    """accum: auto, from the planner: the fewest micro-batches that fit, with or without checkpointing."""
+    if p.accum != "auto" or plan is None:
+        return None
+    return plan["auto_accum_checkpointing"] if checkpointing else plan["auto_accum"]
+
+
+def plan_check(
+    p: Params, device: torch.device, micro: int, plan: dict[str, Any] | None, world: int = 1
+) -> DidNotFit | None:
+    """On the CPU the kernel kills rather than raises, so a variant the planner puts over budget is not run.
+
+    With several processes on one host, each holds its own copy: the host needs `world` times one.
+    """
+    if device.type != "cpu" or plan is None:
+        return None
+    predicted = planner.predict_mib(plan["fit"], micro) * world
+    budget = p.memory.host_budget_gb * planner.GIB_MIB
+    if predicted <= budget:
+        return None
+    return DidNotFit(
+        reason=f"planner predicts {predicted:.0f} MiB at micro-batch {micro}"
+        + (f" in each of {world} processes" if world > 1 else "")
+        + f", over memory.host_budget_gb ({budget:.0f} MiB)",
+        memory_at_failure_mib=round(predicted),
+        device_total_mib=round(budget),
+    )
+
+
+def oom_record(err: BaseException, device: torch.device) -> DidNotFit:
+    total = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else 0
+    used = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return DidNotFit(
+        reason=f"out of memory: {str(err).splitlines()[0][:300]}",
+        memory_at_failure_mib=round(used / 2**20),
+        device_total_mib=round(total / 2**20),
+    )
+
+
+def variant_accum(p: Params, variant: str, plan: dict[str, Any] | None, scale_name: str) -> int:
+    """The accumulation steps a variant runs with, checked against the batch of the scale that runs."""
+    accum = params.variant_accum_steps(p, variant, resolved_accum(p, plan, p.variants[variant].checkpointing))
+    batch, nproc = p.scale_settings(scale_name).batch, p.distributed.nproc_per_node
+    params.check_accum(accum, batch, f"scales.{scale_name}.batch", world=nproc)
+    return accum
+
+
+def headline(variant: str, v: Variant, accum: int, micro: int, world: int, batch: int, hw: dict, dtype) -> str:
+    """The one line that says what this run is, the tutorial's mistakes it keeps included."""
+    tutorial = [f"{c.key}: {getattr(v, c.key)}" for c in kept_mistakes(v.model_dump())]
+    return (
+        f"train@{variant}: {v.norm}norm, accum {accum} x micro-batch {micro}"
+        + (f" x {world} processes" if world > 1 else "")
+        + f" = batch {batch}, lr {v.lr}, {hw['scale']} scale on {hw['device']}, "
+        f"{str(dtype).replace('torch.', '') if dtype else 'float32'}"
+        + (", activation checkpointing" if v.checkpointing else "")
+        + (f"; as the tutorial wrote it: {', '.join(tutorial)}" if tutorial else "")
+    )
+
+
+@dataclass
+class VariantRun:
+    """What one variant's run leaves: the record, a row per epoch, the sampler's timeline, the trained weights."""
+
+    record: VariantRecord
+    epochs: list[dict[str, Any]]
+    sampler: MemorySampler
+    weights: dict[str, torch.Tensor]
+
+
+def run_variant(
+    p: Params,
+    variant: str,
+    hw: dict[str, Any],
+    data: dict[str, torch.Tensor],
+    plan: dict[str, Any] | None,
+    rank: int = 0,
+    world: int = 1,
+    memory_snapshot: Path | None = None,
+) -> VariantRun:
+    """Train one variant inside the memory sampler; returns its record, epoch rows, timeline and weights."""
+    v, scale = p.variants[variant], p.scale_settings(hw["scale"])
+    device = data["train_x"].device
+    accum = variant_accum(p, variant, plan, hw["scale"])
+    micro = micro_batch_size(scale.batch, accum * world)  # per process
+    dtype = amp_dtype(device, p.train, v.precision)
+    model = build_model(
+        **p.model.model_dump(), norm=v.norm, seed=p.seed, swap=v.swap, checkpointing=v.checkpointing
+    ).to(device)
+    sync_bn = p.distributed.sync_batchnorm and v.norm == "batch"
+    model = distributed.wrap(model, device, sync_bn)
+    if rank == 0:
+        print(headline(variant, v, accum, micro, world, scale.batch, hw, dtype), flush=True)
+    failure = plan_check(p, device, micro, plan, world)
+    rows, failure, sampler = measured_training(
+        model, data, p, variant, scale, accum, micro, dtype, failure, rank, world, memory_snapshot
+    )
+    record = VariantRecord(
+        variant=variant,
+        norm=v.norm,
+        **{key: getattr(v, key) for key in CORRECTED},
+        checkpointing=v.checkpointing,
+        precision=v.precision,
+        accum=accum,
+        accum_setting=v.accum if v.accum != "accum" else p.accum,  # "auto" resolved into accum
+        micro_batch=micro,
+        world_size=world,
+        sync_batchnorm=sync_bn and world > 1,
+        batch=scale.batch,
+        lr=v.lr,
+        scale=hw["scale"],
+        device=hw["device"],
+        amp=str(dtype).replace("torch.", "") if dtype else "float32",
+        train_samples=len(data["train_y"]),
+        test_samples=len(data["test_y"]),
+        parameters=count_parameters(distributed.unwrap(model)),
+        fit=failure is None,
+        did_not_fit=failure,
+        final_train_loss=rows[-1]["train_loss"] if rows else None,
+        test_accuracy=rows[-1]["test_accuracy"] if rows else None,
+        images_per_second=float(np.median([r["images_per_second"] for r in rows])) if rows else None,
+        optimizer_steps=sum(r["optimizer_steps"] for r in rows),
+        skipped_steps=sum(r["skipped_steps"] for r in rows),
+        train_seconds=sum(r["seconds"] for r in rows),
+        memory=peak_memory(sampler, device, world),
+    )
+    weights = distributed.unwrap(model).state_dict() if failure is None else {}
+    return VariantRun(record, rows, sampler, weights)
+
+
+def measured_training(
+    model: torch.nn.Module,
+    data: dict[str, torch.Tensor],
+    p: Params,
+    variant: str,
+    scale: Scale,
+    accum: int,
+    micro: int,
+    dtype: torch.dtype | None,
+    failure: DidNotFit | None,
+    rank: int,
+    world: int,
+    memory_snapshot: Path | None,
+) -> tuple[list[dict[str, Any]], DidNotFit | None, MemorySampler]:
+    """The loop inside the memory sampler (and PyTorch's memory history, if asked); out of memory is a result."""
+    v, device = p.variants[variant], data["train_x"].device
+    rows: list[dict[str, Any]] = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    wanted = memory_snapshot and device.type == "cuda" and rank == 0
+    snapshot = FirstStepSnapshot(memory_snapshot) if wanted else nullcontext()
+    with MemorySampler(device.type, p.memory.interval_ms, gpu_index=device.index or 0) as sampler, snapshot:
+        if failure is None:
+            try:
+                rows = train(
+                    model,
+                    data,
+                    lr=v.lr,
+                    weight_decay=p.train.weight_decay,
+                    batch=scale.batch,
+                    accum=accum,
+                    epochs=scale.epochs,
+                    seed=p.seed,
+                    dtype=dtype,
+                    eval_batch=min(p.train.eval_batch, micro),  # what fits for training fits here
+                    weighting=v.weighting,
+                    epoch_end_step=v.epoch_end_step,
+                    progress=rank == 0,
+                    rank=rank,
+                    world=world,
+                )
+            except torch.OutOfMemoryError as err:  # a result, not a crash: the tutorial's baseline on a small card
+                if world > 1:
+                    raise  # the other ranks wait in an all-reduce: fail them all (torchrun does) rather than hang
+                failure = oom_record(err, device)
+    return rows, failure, sampler
+
+
+def peak_memory(sampler: MemorySampler, device: torch.device, world: int) -> MemoryPeaks:
+    """The sampler's peaks with PyTorch's own; across processes, the largest one's (what each device must hold)."""
+    memory = sampler.summary()
+    if device.type == "cuda":
+        memory.update(
+            torch_max_allocated_mib=torch.cuda.max_memory_allocated(device) / 2**20,
+            torch_max_reserved_mib=torch.cuda.max_memory_reserved(device) / 2**20,
+        )
+    per_rank = distributed.gather(memory)
+    if world == 1:
+        return MemoryPeaks(**memory)
+    largest = {
+        k: max(m[k] for m in per_rank) if k.endswith("_mib") and memory[k] is not None else memory[k] for k in memory
+    }
+    return MemoryPeaks(**largest, per_rank=[MemoryPeaks(**m) for m in per_rank])

@@ -1,0 +1,81 @@
+"""What one variant's run measured: the record the train stage writes and the report reads, one type for both."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DidNotFit(Record):
+    reason: str  # "out of memory: ..." or the planner's host-budget verdict
+    memory_at_failure_mib: float
+    device_total_mib: float
+
+
+class MemoryPeaks(Record):
+    """The sampler's peaks (nvidia-smi on a GPU, RSS everywhere) and PyTorch's own counters on a GPU."""
+
+    samples: int
+    interval_ms: int
+    rss_peak_mib: float  # the kernel's high-water mark of this process (VmHWM)
+    sampled_rss_peak_mib: float | None = None
+    nvidia_smi_peak_mib: float | None = None
+    nvidia_smi_source: str | None = None  # process / gpu / torch: where the figure came from
+    nvidia_smi_fallback: str | None = None  # what nvidia-smi printed instead of a figure, when it gave none
+    gpu_total_mib: float | None = None
+    sampled_torch_reserved_peak_mib: float | None = None
+    torch_max_allocated_mib: float | None = None
+    torch_max_reserved_mib: float | None = None
+    sampler_errors: list[str] = []
+    per_rank: list[MemoryPeaks] | None = None  # with several processes: each one's; the fields above are the max
+
+
+class VariantRecord(Record):
+    """reports/variants/<variant>/metrics.json."""
+
+    variant: str
+    norm: Literal["batch", "group"]
+    weighting: Literal["exact", "divide"]
+    epoch_end_step: bool
+    swap: Literal["keep_act", "plain"]
+    checkpointing: bool = False
+    precision: Literal["default", "other"] = "default"
+    accum: int
+    accum_setting: int | str  # what params.yaml said: an integer, or "auto" resolved into accum
+    micro_batch: int
+    world_size: int = 1
+    sync_batchnorm: bool = False
+    batch: int
+    lr: float
+    scale: Literal["study", "cpu"]
+    device: Literal["cpu", "cuda"]
+    amp: str
+    train_samples: int
+    test_samples: int
+    dataset: str = ""  # the data's provenance kind: mirror, local or fallback
+    parameters: int
+    fit: bool  # ran to the end; else did_not_fit says why
+    did_not_fit: DidNotFit | None = None
+    final_train_loss: float | None = None
+    test_accuracy: float | None = None
+    images_per_second: float | None = None  # median over epochs, evaluation not timed
+    optimizer_steps: int
+    skipped_steps: int
+    train_seconds: float
+    memory: MemoryPeaks
+
+    @model_validator(mode="after")
+    def fit_means_no_failure(self) -> VariantRecord:
+        if self.fit != (self.did_not_fit is None):
+            raise ValueError(f"fit = {self.fit} but did_not_fit = {self.did_not_fit}")
+        return self
+
+    @classmethod
+    def read(cls, path: Path) -> VariantRecord:
+        return cls.model_validate_json(Path(path).read_text())

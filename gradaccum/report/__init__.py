@@ -1,0 +1,203 @@
+"""The study's report: what accumulation saved, what it cost, and whether it is still the same training.
+
+`build` assembles one `Report` (document.py) from the pipeline's records: tables and sentences
+(tables.py) and figures (figures.py), every number computed from what was measured. The `report`
+stage reads the files and writes report.md, report.html and the figures.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from gradaccum import planner
+from gradaccum.params import Params
+from gradaccum.records import VariantRecord
+from gradaccum.report import figures, tables
+from gradaccum.report.document import Report
+
+__all__ = ["Inputs", "Report", "build", "load_variants"]
+OUTPUTS = ("data/", "reports/")  # where pipeline stages write
+
+
+@dataclass
+class Inputs:
+    """Everything the report reads, loaded: the params, the machine, the data's provenance, every record."""
+
+    params: Params
+    hardware: dict[str, Any]
+    provenance: dict[str, Any]
+    results: tables.Results
+    plan: dict[str, Any] | None = None  # the sweep's result
+    grad: dict[str, Any] | None = None  # the gradient check's
+    snapshots: dict[str, str] | None = None  # variant -> nvidia-smi text at its peak (GPU)
+    histories: dict[str, tuple[str, int]] | None = None  # variant -> (PyTorch memory snapshot file, bytes)
+
+
+def load_variants(names: list[str], folder: Path) -> tables.Results:
+    """Each variant's record, epochs and memory timeline from `folder/<variant>/`; variants not run are left out."""
+    results = {}
+    for name in names:
+        d = folder / name
+        if not (d / "metrics.json").exists():
+            continue
+        results[name] = tables.VariantResult(
+            record=VariantRecord.read(d / "metrics.json"),
+            epochs=pd.read_csv(d / "epochs.tsv", sep="\t"),
+            timeline=pd.read_csv(d / "memory.csv"),
+        )
+    if not results:
+        raise FileNotFoundError(f"no variant has a metrics.json under {folder}/: run the train stages first")
+    return results
+
+
+def build(inputs: Inputs) -> Report:
+    hw, p = inputs.hardware, inputs.params
+    rep = Report(title=f"Gradient accumulation study: {hw['scale']} scale on {hw['device']}")
+    if hw["scale"] != "study":
+        scale = p.scale_settings(hw["scale"])
+        rep.stamp = f"{hw['scale'].upper()} SCALE - not the tutorial's study"
+        rep.banner(
+            f"{rep.stamp}: {scale.train_samples:,} images, effective batch {scale.batch}, {scale.epochs} "
+            f"epochs on {hw['device']}; memory is host RSS, not GPU memory. "
+            "The ratios and the equivalence carry over; absolute memory, speed and accuracy do not."
+        )
+    rep.heading("Summary")
+    rep.text(tables.summary(inputs.results, inputs.grad, hw["device"]))
+    what_ran(rep, p, hw, inputs.provenance)
+    rep.heading("Variants")
+    rep.table(tables.variants_table(inputs.results))
+    rep.heading("The tutorial's claims against this run")
+    study_on_gpu = hw["scale"] == "study" and hw["device"] == "cuda"
+    rep.table(tables.claims_table(inputs.results, study_on_gpu, inputs.grad))
+    rep.text(tables.steps_note(p, hw["scale"]))
+    lever_section(rep, inputs.results)
+    figures.epoch_figures(rep, inputs.results)
+    figures.memory_timeline(rep, inputs.results, hw["device"])
+    figures.peak_memory(rep, inputs.results, hw["device"])
+    figures.throughput(rep, inputs.results)
+    cards = planner.cards_for(inputs.plan, p.memory.cards_gb, p.memory.safety_margin) if inputs.plan else []
+    if inputs.plan:
+        figures.sweep(rep, inputs.plan, cards)
+    if inputs.grad:
+        gradcheck_section(rep, inputs.grad)
+    if hw["device"] == "cuda":
+        nvidia_smi_section(rep, inputs)
+    if inputs.plan:
+        planner_section(rep, inputs.plan, cards)
+    return rep
+
+
+def what_ran(rep: Report, p: Params, hw: dict[str, Any], prov: dict[str, Any]) -> None:
+    """Provenance: scale, machine, data and its checksums, training settings, versions, the commit."""
+    rep.heading("What ran")
+    scale = p.scale_settings(hw["scale"])
+    where = (
+        f"{hw['gpu']['name']} ({hw['gpu']['memory_total_mib']} MiB), driver {hw['gpu']['driver']}, "
+        f"CUDA {hw['gpu']['cuda']}"
+        if hw["device"] == "cuda"
+        else f"CPU only: {hw['cpu']['name']}, {hw['cpu']['cores']} cores"
+    )
+    label = "the tutorial's study" if hw["scale"] == "study" else "the CPU scale (smaller than the tutorial's study)"
+    fallback = " - the 5,000-digit fallback sample, NOT the full MNIST" if prov["kind"] == "fallback" else ""
+    counts = f"{prov['counts']['train']} train / {prov['counts']['test']} test images"
+    rows = [
+        ("scale", f"{hw['scale']}: {label}"),
+        ("hardware", where),
+        ("dataset", f"{prov['dataset']} from {prov['kind']}{fallback}: {counts}"),
+        ("data source", str(prov["source"])),
+        *((f"file {name}", f"md5 {f['md5']} ({f['from']})") for name, f in prov["files"].items()),
+        (
+            "training",
+            f"{scale.train_samples} samples (at most), effective batch {scale.batch}, {scale.epochs} "
+            f"epochs, AdamW (weight decay {p.train.weight_decay}), seed {p.seed}, model {p.model.name}",
+        ),
+        ("precision", f"CUDA: {p.train.amp_cuda}, CPU: {p.train.amp_cpu}"),
+        ("accum", str(p.accum)),
+        ("versions", f"torch {version('torch')}, timm {version('timm')}, dvc {version('dvc')}"),
+        ("git commit", git_state()),
+    ]
+    rep.table([{"": key, "value": value} for key, value in rows])
+    rep.text("The params that ran (params.yaml):")
+    rep.pre(yaml.safe_dump(p.model_dump(), sort_keys=False))
+
+
+def lever_section(rep: Report, results: tables.Results) -> None:
+    levers = tables.lever_table(results)
+    if not levers:
+        return
+    rep.heading("The memory levers side by side")
+    rep.text(
+        "The same work as the groupnorm control (GroupNorm, accum 1, same lr and batch), with one lever or "
+        "two. Checkpointing recomputes the blocks' activations in backward instead of keeping them; it is "
+        "kept away from BatchNorm, whose running statistics it would update twice per forward "
+        "(pytorch#96136). Throughput ratios carry the machine's drift: the variants run one after another."
+    )
+    rep.table(levers)
+    figures.levers(rep, levers)
+
+
+def gradcheck_section(rep: Report, grad: dict[str, Any]) -> None:
+    rep.heading("Is the accumulated gradient the large-batch gradient?")
+    rep.text(
+        f"Relative difference ‖g_accum − g_full‖ / ‖g_full‖ on one batch of {grad['batch']} images, "
+        f"{grad['precision']}, on {grad['device']}."
+    )
+    rep.table(tables.gradcheck_rows(grad))
+    figures.gradcheck(rep, grad)
+
+
+def nvidia_smi_section(rep: Report, inputs: Inputs) -> None:
+    rep.heading("nvidia-smi at each variant's peak")
+    snapshots, histories = inputs.snapshots or {}, inputs.histories or {}
+    for name, r in inputs.results.items():
+        fallback = r.record.memory.nvidia_smi_fallback
+        rep.text(f"{name}:" + (f" {fallback}" if fallback else ""))
+        rep.pre(snapshots.get(name, "no snapshot"))
+        if name in histories:
+            file, size = histories[name]
+            rep.text(
+                f"PyTorch memory snapshot of {name}'s first optimizer step: {file} ({size / 2**20:.1f} MiB); drop "
+                "it on pytorch.org/memory_viz to see what held memory at the peak."
+            )
+
+
+def planner_section(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any]]) -> None:
+    machine, fit = plan["this_machine"], plan["fit"]
+    fastest = tables.options_text(planner.this_machine_options(plan)[:1])
+    rep.heading("Which card fits: the memory planner")
+    rep.text(
+        f"Fit on the sweep: peak = {fit['fixed_mib']:.0f} MiB + {fit['per_sample_mib']:.4f} MiB per sample "
+        f"(r2 {fit['r2']:.4f}), measured as {plan['measure']}. For effective batch {plan['batch']}, leaving "
+        f"{machine['safety_margin']:.0%} free. On this machine ({machine['memory_mib']} MiB, {machine['what']}), "
+        f"accum: auto is {plan['auto_accum']} (with checkpointing: {plan['auto_accum_checkpointing']}); the "
+        f"fastest option that fits here: {fastest}. The speeds are the sweep's own (a few steps, warm-up included)."
+        + (
+            " These are host-memory figures from the CPU scale; a GPU run gives the GPU table."
+            if plan["device"] == "cpu"
+            else ""
+        )
+    )
+    rep.table(tables.card_rows(cards))
+
+
+def git_state() -> str:
+    """The commit the report was made from, and whether the code or params differed from it.
+
+    What the pipeline itself writes while it runs (dvc.lock, the .gitignore files DVC adds, data/ and
+    reports/) is not a change to what ran; an experiment's params.yaml or an edited module is.
+    """
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    changed = [line[3:] for line in dirty.splitlines()]
+    changed = [f for f in changed if f != "dvc.lock" and not f.endswith(".gitignore") and not f.startswith(OUTPUTS)]
+    return commit.strip() + (f", with uncommitted changes to {', '.join(changed[:8])}" if changed else ", clean tree")

@@ -1,0 +1,176 @@
+"""The report's figures (seaborn), each added to the report with a caption that says what it shows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import matplotlib.pyplot as plt
+import matplotlib.ticker
+import pandas as pd
+import seaborn as sns
+
+from gradaccum.planner import predict_mib
+from gradaccum.report.document import Report
+from gradaccum.report.tables import Results, memory_label, peak_split
+
+sns.set_theme(style="whitegrid", context="notebook")  # every figure alike
+
+
+def epoch_figures(rep: Report, results: Results) -> None:
+    """Training loss and test accuracy per epoch, every variant."""
+    order = list(results)
+    epochs = pd.concat(
+        [r.epochs.assign(variant=n) for n, r in results.items() if len(r.epochs)]
+        or [pd.DataFrame(columns=["epoch", "train_loss", "test_accuracy", "variant"])]
+    )
+    missing = [n for n, r in results.items() if not r.record.fit]
+    note = f" Did not fit: {', '.join(missing)}." if missing else ""
+    for column, label, name in (
+        ("train_loss", "mean training loss", "train_loss.png"),
+        ("test_accuracy", "test accuracy", "test_accuracy.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if len(epochs):
+            sns.lineplot(
+                epochs,
+                x="epoch",
+                y=column,
+                hue="variant",
+                hue_order=order,
+                style="variant",
+                style_order=order,
+                markers=True,
+                dashes=True,
+                linewidth=2,
+                markersize=8,
+                ax=ax,
+            )
+        ax.set(xlabel="epoch", ylabel=label)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        rep.figure(name, fig, f"{label.capitalize()} per epoch, every variant.{note}")
+
+
+def memory_timeline(rep: Report, results: Results, device: str) -> None:
+    column = "process_mib" if device == "cuda" else "rss_mib"
+    timeline = pd.concat([r.timeline.assign(variant=n) for n, r in results.items()])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sns.lineplot(timeline.dropna(subset=[column]), x="seconds", y=column, hue="variant", hue_order=list(results), ax=ax)
+    ax.set(xlabel="seconds since the variant started", ylabel=memory_label(device).replace("peak ", ""))
+    interval = next(iter(results.values())).record.memory.interval_ms
+    source = "nvidia-smi snapshots" if device == "cuda" else "RSS"
+    rep.figure("memory_timeline.png", fig, f"Memory over time ({source}, every {interval} ms).")
+
+
+def peak_memory(rep: Report, results: Results, device: str) -> None:
+    """Peak per variant, stacked: PyTorch's allocations, its cache, the rest nvidia-smi saw (or host RSS)."""
+    order = list(results)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottoms = [0.0] * len(order)
+    for part, color in (
+        ("allocated by PyTorch", "#4c72b0"),
+        ("cached by PyTorch", "#8fb0d8"),
+        ("CUDA context and the rest", "#dd8452"),
+        ("host RSS", "#55a868"),
+        ("did not fit (memory at failure)", "#c44e52"),
+    ):
+        heights = [peak_split(results[n].record).get(part, 0.0) for n in order]
+        if any(heights):
+            ax.bar(order, heights, bottom=bottoms, label=part, color=color)
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    ax.set(ylabel=memory_label(device))
+    ax.tick_params(axis="x", labelrotation=25)
+    ax.legend(bbox_to_anchor=(1.02, 1), loc="upper left", fontsize="small")
+    missing = [n for n in order if not results[n].record.fit]
+    split = (
+        ", split into PyTorch's allocations, its cache, and what else nvidia-smi saw"
+        if device == "cuda"
+        else " (host RSS high-water mark)"
+    )
+    note = f" Did not fit: {', '.join(missing)}." if missing else ""
+    rep.figure("peak_memory.png", fig, f"Peak memory per variant{split}.{note}")
+
+
+def throughput(rep: Report, results: Results) -> None:
+    order = list(results)
+    speed = pd.DataFrame({"variant": order, "images/s": [results[n].record.images_per_second or 0 for n in order]})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sns.barplot(speed, x="variant", y="images/s", hue="variant", ax=ax)
+    ax.tick_params(axis="x", labelrotation=25)
+    rep.figure("throughput.png", fig, "Training throughput per variant (median over epochs; evaluation not timed).")
+
+
+def sweep(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any]]) -> None:
+    """The sweep's points, the fitted lines and, on a GPU, each card's usable memory."""
+    points = pd.DataFrame([pt for pt in plan["points"] if pt["fit"]])
+    points["model"] = ["checkpointing" if pt.get("checkpointing") else "plain" for pt in points.to_dict("records")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sns.scatterplot(points, x="micro_batch", y="peak_mib", hue="model", style="model", s=60, ax=ax)
+    xs = [0, max(points["micro_batch"]) * 1.1]
+    for key, label, color in (("fit", "plain", "#4c72b0"), ("fit_checkpointing", "checkpointing", "#dd8452")):
+        if key in plan:
+            f = plan[key]
+            line = f"{label} fit: {f['fixed_mib']:.0f} + {f['per_sample_mib']:.3f} MiB x micro-batch"
+            ax.plot(xs, [predict_mib(f, x) for x in xs], color=color, linewidth=1, label=line)
+    on_gpu = plan["device"] == "cuda"
+    for card in cards if on_gpu else []:  # the card sizes the planner's table answers for
+        ax.axhline(card["usable_mib"], color="#999", linewidth=0.8, linestyle="--")
+        ax.annotate(f"{card['card_gb']} GB", (xs[1], card["usable_mib"]), fontsize=8, va="bottom", ha="right")
+    ax.set(xlabel="micro-batch size", ylabel="peak memory (MiB)")
+    ax.legend()
+    rep.figure(
+        "sweep.png",
+        fig,
+        f"Memory sweep: {plan['measure']} at each micro-batch, plain and with activation checkpointing, with "
+        "the fitted lines"
+        + (" and each card's usable memory (dashed)." if on_gpu else " (host memory: card sizes apply to a GPU run)."),
+    )
+
+
+def levers(rep: Report, rows: list[dict[str, Any]]) -> None:
+    points = pd.DataFrame(
+        {
+            "lever": [r["lever"].split(" (")[0] for r in rows],
+            "memory saved": [1 - float(r["peak memory vs groupnorm"]) for r in rows],
+            "speed lost": [1 - float(r["throughput vs groupnorm"]) for r in rows],
+        }
+    )
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sns.scatterplot(points, x="memory saved", y="speed lost", hue="lever", style="lever", s=120, ax=ax)
+    ax.axhline(0, color="#999", linewidth=0.8)
+    ax.axvline(0, color="#999", linewidth=0.8)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.set(xlabel="peak memory saved against the groupnorm control", ylabel="throughput lost")
+    ax.legend(fontsize="small")
+    rep.figure(
+        "levers.png",
+        fig,
+        "Each memory lever: memory saved against speed lost, both against the groupnorm control in the same run "
+        "(right and low is better).",
+    )
+
+
+def gradcheck(rep: Report, grad: dict[str, Any]) -> None:
+    rows = pd.DataFrame([r for r in grad["rows"] if r["accum"] > 1])  # accum 1 is the reference itself: exactly 0
+    rows["method"] = [gradcheck_method(r) for r in rows.to_dict("records")]
+    rows["relative_difference"] = rows["relative_difference"].clip(lower=1e-12)  # log scale: an exact 0 shows at 1e-12
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sns.lineplot(
+        rows, x="accum", y="relative_difference", hue="method", style="method", markers=True, markersize=9, ax=ax
+    )
+    ax.axhline(grad["tolerance"], color="#555", linestyle=":", label=f"tolerance {grad['tolerance']:.0e}")
+    ax.set(yscale="log", xlabel="accum (micro-batches per step)", ylabel="||g_accum - g_full|| / ||g_full||")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend()
+    rep.figure(
+        "gradcheck.png",
+        fig,
+        f"Accumulated against full-batch gradient on one batch of {grad['batch']} ({grad['precision']}): GroupNorm "
+        "stays at float32 rounding, BatchNorm does not, and the tutorial's loss / accum is off where the last "
+        "micro-batch is short.",
+    )
+
+
+def gradcheck_method(row: dict[str, Any]) -> str:
+    norm = {"group": "GroupNorm", "batch": "BatchNorm"}[row["norm"]]
+    return norm + (", loss / accum (tutorial)" if row.get("weighting") == "divide" else "")

@@ -1,0 +1,154 @@
+"""The memory sweep: peak memory at a ladder of micro-batch sizes, and the planner's fit on it.
+
+Each point runs in a fresh process, so the kernel's RSS high-water mark (CPU) and the CUDA
+context and caches (GPU) belong to that point alone.
+
+    python -m gradaccum.sweep --point 256  # one point of the real loop; prints its JSON (run_point calls this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from gradaccum import params, planner
+from gradaccum.accumulation import schedule
+from gradaccum.loop import amp_dtype, make_optimizer, make_scaler, train_epoch
+from gradaccum.memory import MIB, peak_rss_mib
+from gradaccum.models import build_model
+
+POINT_COLUMNS = (
+    "micro_batch",
+    "checkpointing",
+    "images_per_s",
+    "fit",
+    "peak_mib",
+    "rss_peak_mib",
+    "torch_max_allocated_mib",
+    "torch_max_reserved_mib",
+    "cuda_context_mib",
+    "error",
+)
+IMAGE_SIZE = 28  # MNIST and Fashion-MNIST alike; memory does not depend on pixel values
+
+
+def measure_point(p: params.Params, device: torch.device, micro: int, checkpointing: bool = False) -> dict[str, Any]:
+    """A few optimizer steps of the real training loop at one micro-batch size (GroupNorm, accum 1)."""
+    steps = p.memory.sweep_steps
+    model = build_model(**p.model.model_dump(), norm="group", seed=p.seed, checkpointing=checkpointing).to(device)
+    dtype = amp_dtype(device, p.train)
+    opt, scaler = make_optimizer(model, lr=1e-4), make_scaler(device, dtype)
+    n = micro * steps
+    images = torch.randint(0, 256, (n, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8, device=device)
+    labels = torch.randint(0, p.model.num_classes, (n,), device=device)
+    row: dict[str, Any] = dict.fromkeys(POINT_COLUMNS)
+    row.update(micro_batch=micro, checkpointing=checkpointing, fit=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        start = time.perf_counter()
+        train_epoch(model, opt, scaler, images, labels, torch.arange(n, device=device), schedule(n, micro, 1), dtype)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        row["images_per_s"] = round(n / (time.perf_counter() - start), 1)  # the first step's warm-up included
+    except torch.OutOfMemoryError as err:
+        row.update(fit=False, error=str(err).splitlines()[0][:200])
+    row["rss_peak_mib"] = round(peak_rss_mib(), 1)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        reserved = torch.cuda.memory_reserved()
+        row.update(
+            torch_max_allocated_mib=round(torch.cuda.max_memory_allocated() / MIB, 1),
+            torch_max_reserved_mib=round(torch.cuda.max_memory_reserved() / MIB, 1),
+            cuda_context_mib=round((total - free - reserved) / MIB, 1),
+        )  # what nvidia-smi adds on top
+        row["peak_mib"] = round(row["torch_max_reserved_mib"] + row["cuda_context_mib"], 1)
+    else:
+        row["peak_mib"] = row["rss_peak_mib"]
+    return row
+
+
+def run_point(micro: int, device: str, checkpointing: bool = False, params_file: Path = params.PARAMS_FILE) -> dict:
+    """measure_point in a fresh process; a point that fails or is killed is a "did not fit" row."""
+    cmd = [sys.executable, "-m", "gradaccum.sweep", "--point", str(micro), "--device", device]
+    cmd += ["--params", str(params_file)]
+    cmd += ["--checkpointing"] if checkpointing else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)  # a killed point is a result
+    if proc.returncode == 0:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    row: dict[str, Any] = dict.fromkeys(POINT_COLUMNS)
+    tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    row.update(micro_batch=micro, checkpointing=checkpointing, fit=False, error=f"exit {proc.returncode}: {tail[:200]}")
+    return row
+
+
+def device_memory_mib(hw: dict[str, Any], p: params.Params) -> tuple[float, str]:
+    if hw["device"] == "cuda":
+        return float(hw["gpu"]["memory_total_mib"]), f"{hw['gpu']['name']} memory"
+    host = psutil.virtual_memory().total / MIB
+    budget = p.memory.host_budget_gb * planner.GIB_MIB
+    return min(host, budget), "host memory (min of RAM and memory.host_budget_gb)"
+
+
+def sweep(p: params.Params, hw: dict[str, Any], log: Any = print) -> dict[str, Any]:
+    """Every point of the ladder, plain then with checkpointing; the fits and `accum: auto` from them.
+
+    What `train` needs and nothing the report alone reads: the card table is built from this by the report,
+    so a report-only setting (memory.cards_gb) re-runs the report only.
+    """
+    scale = p.scale_settings(hw["scale"])
+    rows = []
+    for checkpointing in planner.LEVERS.values():  # the plain model, then with activation checkpointing
+        for micro in scale.sweep_micro_batches:
+            row = run_point(micro, hw["device"], checkpointing)
+            log(
+                f"sweep: micro-batch {micro}{' (checkpointing)' if checkpointing else ''}: "
+                + (f"peak {row['peak_mib']} MiB" if row["fit"] else f"did not fit ({row['error']})")
+            )
+            rows.append(row)
+    fits = {}
+    for lever, checkpointing in planner.LEVERS.items():
+        fitted = [r for r in rows if r["fit"] and r["checkpointing"] == checkpointing]
+        fits[lever] = planner.fit([r["micro_batch"] for r in fitted], [r["peak_mib"] for r in fitted])
+    memory_mib, memory_what = device_memory_mib(hw, p)
+    usable = memory_mib * (1 - p.memory.safety_margin)
+    return {
+        "device": hw["device"],
+        "scale": hw["scale"],
+        "batch": scale.batch,
+        "measure": "reserved + CUDA context (what nvidia-smi shows)"
+        if hw["device"] == "cuda"
+        else "peak RSS (host memory)",
+        "fit": fits["accumulation"],
+        "fit_checkpointing": fits["checkpointing"],
+        "points": rows,
+        "this_machine": {
+            "memory_mib": round(memory_mib),
+            "what": memory_what,
+            "safety_margin": p.memory.safety_margin,
+        },
+        "auto_accum": planner.smallest_accum(fits["accumulation"], usable, scale.batch),  # no checkpointing: faster
+        "auto_accum_checkpointing": planner.smallest_accum(fits["checkpointing"], usable, scale.batch),
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="measure one micro-batch size of the sweep and print its JSON")
+    parser.add_argument("--point", type=int, required=True, help="the micro-batch size")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
+    parser.add_argument("--params", type=Path, default=params.PARAMS_FILE)
+    args = parser.parse_args()
+    try:
+        p = params.load(args.params)
+    except params.ParamsError as err:
+        sys.exit(f"error: {err}")
+    print(json.dumps(measure_point(p, torch.device(args.device), args.point, args.checkpointing)))

@@ -1,0 +1,130 @@
+"""dvc.yaml's deps cover every project file each stage runs, and the layout keeps the library apart from stages.
+
+The imports of each stage command are followed through the repository (ast, no import executed), so a
+module a stage starts to use, or one it stops using, shows up here before DVC serves a stale result.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("gradaccum", "stages")
+
+
+def module_file(module: str) -> Path | None:
+    base = ROOT.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The project's modules a file imports, and the ones it runs with `python -m` (the sweep's points)."""
+    found = set()
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"[\w.]+", node.value):
+            found.add(node.value)  # "-m", "gradaccum.sweep": a module run as a child process
+    return {m for m in found if m.split(".")[0] in PACKAGES and module_file(m)}
+
+
+def files_run(module: str) -> set[Path]:
+    """Every project file `python -m module` executes: its imports, transitively, and their packages' __init__."""
+    seen: set[Path] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # importing a.b runs a/__init__.py first
+        path = module_file(name)
+        if path is None or path in seen:
+            continue
+        seen.add(path)
+        todo += imported_modules(path)
+    return {p for p in seen if p.read_text().strip()}  # an empty __init__.py runs nothing
+
+
+def stage_commands(dvc: dict) -> dict[str, tuple[str, list[str]]]:
+    """stage -> (the module its cmd runs, its deps)."""
+    out = {}
+    for name, stage in dvc["stages"].items():
+        body = stage.get("do", stage)
+        match = re.search(r"python\S*\s+-m\s+([\w.]+)", body["cmd"])
+        assert match, f"stage {name}: cmd {body['cmd']!r} is not `python -m MODULE`"
+        out[name] = (match.group(1), body.get("deps", []))
+    return out
+
+
+def dep_problems(dvc: dict) -> list[str]:
+    problems = []
+    for stage, (module, deps) in stage_commands(dvc).items():
+        run = {p.relative_to(ROOT).as_posix() for p in files_run(module)}
+        missing = sorted(f for f in run if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps))
+        extra = sorted(d for d in deps if d.endswith(".py") and d not in run)
+        problems += [f"{stage}: runs {f} but does not list it in deps" for f in missing]
+        problems += [f"{stage}: lists {f} in deps but does not run it" for f in extra]
+    return problems
+
+
+@pytest.fixture(scope="module")
+def dvc() -> dict:
+    return yaml.safe_load((ROOT / "dvc.yaml").read_text())
+
+
+def test_every_stage_lists_exactly_the_files_it_runs(dvc: dict) -> None:
+    assert dep_problems(dvc) == []
+
+
+def test_a_removed_dep_is_caught(dvc: dict) -> None:
+    """The check above can fail: drop the distributed module from train's deps and it must say so."""
+    dvc["stages"]["train"]["do"]["deps"].remove("gradaccum/distributed.py")
+    assert dep_problems(dvc) == ["train: runs gradaccum/distributed.py but does not list it in deps"]
+
+
+def test_the_sweeps_child_process_counts_as_run() -> None:
+    assert ROOT / "gradaccum/sweep.py" in files_run("stages.sweep")
+    assert ROOT / "gradaccum/report/document.py" not in files_run("stages.train")
+
+
+def stages_covering(dvc: dict, key: str) -> set[str]:
+    """The stages whose params include `key` (by itself, a section above it, or the whole params.yaml)."""
+    covering = set()
+    for name, stage in dvc["stages"].items():
+        for entry in stage.get("do", stage).get("params", []):
+            whole_file = isinstance(entry, dict) and "params.yaml" in entry and not entry["params.yaml"]
+            if whole_file or (isinstance(entry, str) and (key == entry or key.startswith(entry + "."))):
+                covering.add(name)
+    return covering
+
+
+@pytest.mark.parametrize("key", ["memory.cards_gb"])
+def test_report_only_settings_rerun_the_report_only(dvc: dict, key: str) -> None:
+    assert stages_covering(dvc, key) == {"report"}
+
+
+def test_settings_that_change_training_rerun_it(dvc: dict) -> None:
+    for key in ("memory.interval_ms", "memory.host_budget_gb", "train.amp_cpu", "model.name", "seed"):
+        assert "train" in stages_covering(dvc, key), key
+    assert {"sweep", "report"} <= stages_covering(dvc, "memory.safety_margin")  # accum: auto, and the card table
+
+
+def test_no_library_module_imports_a_stage_and_no_stage_imports_another() -> None:
+    for path in sorted((ROOT / "gradaccum").rglob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py")):
+        stages = {m for m in imported_modules(path) if m.split(".")[0] == "stages"}
+        assert not stages, f"{path.relative_to(ROOT)} imports {stages}: library code must not know the pipeline"
+    for path in sorted((ROOT / "stages").glob("*.py")):
+        own = f"stages.{path.stem}"  # the train stage re-runs itself under torchrun
+        others = {m for m in imported_modules(path) if m.startswith("stages.") and m not in ("stages.paths", own)}
+        assert not others, f"{path.relative_to(ROOT)} imports {others}: a stage never imports another stage"
