@@ -6,10 +6,25 @@ import os
 import platform
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
+
+
+def process_seconds() -> float:
+    """Wall time since this process started, imports included: what a stage costs the person waiting for it."""
+    return time.time() - psutil.Process().create_time()
+
+
+def native_bfloat16() -> bool:
+    """Whether oneDNN has bfloat16 kernels on this CPU (AVX512-BF16, AMX); without them bfloat16 is emulated, slowly."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def cpu_name() -> str:
@@ -42,7 +57,12 @@ def describe(cuda: bool) -> dict[str, Any]:
     """Facts that decide results, and nothing that changes between two runs on one machine."""
     info: dict[str, Any] = {
         "device": "cuda" if cuda else "cpu",
-        "cpu": {"name": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "cpu": {
+            "name": cpu_name(),
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "native_bfloat16": native_bfloat16(),
+        },
         "torch": torch.__version__,
     }
     if cuda:

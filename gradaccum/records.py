@@ -67,7 +67,8 @@ class VariantRecord(Record):
     images_per_second: float | None = None  # median over epochs, evaluation not timed
     optimizer_steps: int
     skipped_steps: int
-    train_seconds: float
+    train_seconds: float  # the loop's own time, evaluation not included
+    stage_seconds: float | None = None  # the whole train stage's process: start-up, imports, evaluation, writing
     memory: MemoryPeaks
 
     @model_validator(mode="after")

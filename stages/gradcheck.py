@@ -7,6 +7,7 @@ import sys
 import torch
 
 from gradaccum import gradcheck, mnist, params
+from gradaccum.machine import process_seconds
 from gradaccum.models import build_model
 from gradaccum.outputs import read_json, write_json, write_table
 from stages.paths import DATASET, GRADCHECK, GRADCHECK_TSV, HARDWARE
@@ -20,7 +21,7 @@ def main() -> None:
         lambda norm: build_model(**p.model.model_dump(), norm=norm, seed=p.seed), data["train_x"], data["train_y"]
     )
     write_table(GRADCHECK_TSV, result["rows"], gradcheck.COLUMNS)
-    write_json(GRADCHECK, result)
+    write_json(GRADCHECK, result | {"stage_seconds": process_seconds()})
 
 
 if __name__ == "__main__":

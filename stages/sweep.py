@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 from gradaccum import params
+from gradaccum.machine import process_seconds
 from gradaccum.outputs import read_json, write_json, write_table
 from gradaccum.sweep import POINT_COLUMNS, sweep
 from stages.paths import HARDWARE, SWEEP_PLAN, SWEEP_POINTS
@@ -17,7 +18,7 @@ def main() -> None:
     p = params.load()
     plan = sweep(p, read_json(HARDWARE), log=lambda line: print(line, flush=True))
     write_table(SWEEP_POINTS, plan["points"], POINT_COLUMNS)
-    write_json(SWEEP_PLAN, plan)
+    write_json(SWEEP_PLAN, plan | {"stage_seconds": process_seconds()})
     fit = plan["fit"]
     print(
         f"sweep: peak = {fit['fixed_mib']:.0f} MiB + {fit['per_sample_mib']:.3f} MiB/sample (r2 {fit['r2']:.3f}); "

@@ -16,6 +16,7 @@ import torch
 from gradaccum import distributed, mnist, params
 from gradaccum.experiment import run_variant, variant_accum
 from gradaccum.loop import EPOCH_COLUMNS
+from gradaccum.machine import process_seconds
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import atomic_path, read_json, write_json, write_table, write_text
 from stages.paths import DATASET, HARDWARE, PROVENANCE, SWEEP_PLAN, variant_dir, weights_path
@@ -39,7 +40,10 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
     distributed.teardown()
     if rank != 0:
         return  # rank 0 writes the outputs
-    record, sampler = run.record.model_copy(update={"dataset": read_json(PROVENANCE)["kind"]}), run.sampler
+    sampler = run.sampler
+    record = run.record.model_copy(
+        update={"dataset": read_json(PROVENANCE)["kind"], "stage_seconds": process_seconds()}
+    )
     out = variant_dir(variant)
     write_table(out / "epochs.tsv", run.epochs, EPOCH_COLUMNS)
     write_table(out / "memory.csv", sampler.rows, TIMELINE_COLUMNS, delimiter=",")
@@ -50,7 +54,8 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
         torch.save(run.weights, tmp)
     write_json(out / "metrics.json", record.model_dump(mode="json"))
     failure = record.did_not_fit
-    print(f"train@{variant}: {'did not fit: ' + failure.reason if failure else 'done'}; peak {record.memory}")
+    peak = record.memory.nvidia_smi_peak_mib or record.memory.rss_peak_mib
+    print(f"train@{variant}: {'did not fit: ' + failure.reason if failure else 'done'}; peak {peak:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -102,6 +102,7 @@ def variant_outputs(root: Path, name: str, device: str, batch: int, fit: bool, p
         "optimizer_steps": 6 if fit else 0,
         "skipped_steps": 0,
         "train_seconds": 9.0 if fit else 0,
+        "stage_seconds": 20.0 if fit else 8.0,
         "memory": memory,
     }
     out = root / "reports/variants" / name
@@ -127,7 +128,7 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
     hw = {
         "device": device,
         "scale": "study" if device == "cuda" else "cpu",
-        "cpu": {"name": "Test CPU", "cores": 2, "torch_threads": 2},
+        "cpu": {"name": "Test CPU", "cores": 2, "torch_threads": 2, "native_bfloat16": False},
         "torch": "2.14.1",
     }
     if device == "cuda":
@@ -187,6 +188,7 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
             "this_machine": {"memory_mib": 24564, "what": "test", "safety_margin": 0.1},
             "auto_accum": 3,
             "auto_accum_checkpointing": 1,
+            "stage_seconds": 30.0,
         },
     )
     write_json(
@@ -200,6 +202,7 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
             "groupnorm_equal": True,
             "batchnorm_min": 1.2,
             "batchnorm_differs": True,
+            "stage_seconds": 12.0,
             "rows": [
                 {"norm": "group", "accum": 2, "micro_batch": 48, "relative_difference": 3e-7},
                 {"norm": "batch", "accum": 2, "micro_batch": 48, "relative_difference": 1.3},
@@ -328,6 +331,23 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
         assert cards[0]["options that fit, fastest first"].startswith(
             "accum 1 (micro-batch 1024): 2838 MiB, 900 images/s"
         )
+
+
+def test_report_says_where_the_time_went(workdir: Path) -> None:
+    metrics = fixture_run(workdir, "cpu")
+    report.main()
+    md = (workdir / "reports/report.md").read_text()
+    rows = {r["stage"]: r for r in md_table(md, "Where this run's time went")}
+    assert list(rows)[:2] == ["sweep", "gradcheck"] and float(rows["sweep"]["seconds"]) == 30.0
+    rest = "the rest: start-up, evaluation, sampling, writing (s)"
+    for name, m in metrics.items():
+        row = rows[f"train@{name}"]
+        assert float(row["seconds"]) == m["stage_seconds"] and float(row["training loop (s)"]) == m["train_seconds"]
+        assert float(row[rest]) == pytest.approx(m["stage_seconds"] - m["train_seconds"])
+    total = rows["all timed stages"]
+    assert float(total["seconds"]) == pytest.approx(30 + 12 + sum(m["stage_seconds"] for m in metrics.values()))
+    assert float(total[rest]) == pytest.approx(sum(m["stage_seconds"] - m["train_seconds"] for m in metrics.values()))
+    assert "This CPU (Test CPU) has no native bfloat16" in md
 
 
 def test_report_without_variants_says_what_to_run(workdir: Path) -> None:

@@ -91,6 +91,7 @@ def build(inputs: Inputs) -> Report:
         nvidia_smi_section(rep, inputs)
     if inputs.plan:
         planner_section(rep, inputs.plan, cards)
+    time_section(rep, inputs)
     return rep
 
 
@@ -185,6 +186,26 @@ def planner_section(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any
         )
     )
     rep.table(tables.card_rows(cards))
+
+
+def time_section(rep: Report, inputs: Inputs) -> None:
+    rows = tables.time_rows(inputs.results, inputs.plan, inputs.grad)
+    if not rows:
+        return
+    rep.heading("Where this run's time went")
+    cpu = inputs.hardware["cpu"]
+    emulated = inputs.hardware["device"] == "cpu" and cpu.get("native_bfloat16") is False
+    rep.text(
+        "Wall time of each stage's process, from its own record (hardware, download and report take seconds "
+        "and are not timed); the train stages split into the training loop and the rest."
+        + (
+            f" This CPU ({cpu['name']}) has no native bfloat16, so bfloat16 autocast is emulated and runs far "
+            "slower than float32 here."
+            if emulated
+            else ""
+        )
+    )
+    rep.table(rows)
 
 
 def git_state() -> str:

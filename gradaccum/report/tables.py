@@ -397,3 +397,38 @@ def peak_split(m: VariantRecord) -> dict[str, float]:
         "cached by PyTorch": reserved - allocated,
         "CUDA context and the rest": max(smi - reserved, 0.0),
     }
+
+
+def time_rows(results: Results, plan: dict[str, Any] | None, grad: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Where this run's time went: each timed stage's process, and for training the loop's share of it."""
+    stages: list[tuple[str, float | None, float | None]] = [
+        ("sweep", (plan or {}).get("stage_seconds"), None),
+        ("gradcheck", (grad or {}).get("stage_seconds"), None),
+    ]
+    stages += [(f"train@{n}", r.record.stage_seconds, r.record.train_seconds) for n, r in results.items()]
+    timed = [(name, total, loop) for name, total, loop in stages if total is not None]
+    if not timed:
+        return []
+    whole = sum(total for _, total, _ in timed)
+    rows = [
+        {
+            "stage": name,
+            "seconds": fmt(total, 1),
+            "share": f"{total / whole:.0%}",
+            "training loop (s)": fmt(loop, 1),
+            "the rest: start-up, evaluation, sampling, writing (s)": fmt(total - loop if loop is not None else None, 1),
+        }
+        for name, total, loop in timed
+    ]
+    loops = sum(loop for _, _, loop in timed if loop is not None)
+    trains = sum(total for _, total, loop in timed if loop is not None)
+    rows.append(
+        {
+            "stage": "all timed stages",
+            "seconds": fmt(whole, 1),
+            "share": "100%",
+            "training loop (s)": fmt(loops, 1),
+            "the rest: start-up, evaluation, sampling, writing (s)": fmt(trains - loops, 1),
+        }
+    )
+    return rows
