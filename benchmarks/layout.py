@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from gradaccum import mnist
+from gradaccum import mnist, params
 from gradaccum.accumulation import schedule
 from gradaccum.loop import make_optimizer, make_scaler, train_epoch
 from gradaccum.models import build_model
@@ -25,10 +25,10 @@ from gradaccum.models import build_model
 IMAGES = 512
 
 
-def compare(images: torch.Tensor, labels: torch.Tensor, micro: int, accum: int, repeats: int) -> str:
+def compare(p: params.Params, images: torch.Tensor, labels: torch.Tensor, micro: int, accum: int, repeats: int) -> str:
     arms = {}
     for channels_last in (False, True):
-        model = build_model("efficientnet_b0", 1, 10, "group", 1, 99)
+        model = build_model(**p.model.model_dump(), norm="group", seed=p.seed)
         model = model.to(memory_format=torch.channels_last) if channels_last else model
         arms[channels_last] = (model, make_optimizer(model, 3e-4), make_scaler(torch.device("cpu"), None))
     plan = schedule(IMAGES, micro, accum)
@@ -57,7 +57,7 @@ def main() -> None:
     images = torch.from_numpy(arrays["train_x"][:IMAGES])
     labels = torch.from_numpy(arrays["train_y"][:IMAGES]).long()
     for micro, accum in ((64, 4), (256, 1)):
-        print(compare(images, labels, micro, accum, args.repeats), flush=True)
+        print(compare(params.load(), images, labels, micro, accum, args.repeats), flush=True)
 
 
 if __name__ == "__main__":
