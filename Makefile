@@ -26,6 +26,7 @@ test-fast: $(BIN)/.installed
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m benchmarks.repro
 
 clean-venv:
 	rm -rf $(VENV)

@@ -2,7 +2,8 @@
 
     make bench        # or: python -m benchmarks.run [--repeats 3] [--out benchmarks/results/NAME.json]
 
-1. this project's loop (data on the device, whole-batch normalize) against the tutorial's loop
+1. this project's training (its loop: data on the device, whole-batch normalize; on the CPU its model's depthwise
+   convolutions as matrix products) against the tutorial's loop and model
    (torchvision MNIST + ToTensor + Normalize through a DataLoader with workers): images/s;
 2. the cost of accumulation: accum 1 against 4 and 8 at one effective batch (GroupNorm in all);
 3. the memory sampler's overhead: training with it against without;
@@ -87,8 +88,10 @@ def on_device(arrays: dict[str, Any], n: int, device: torch.device) -> tuple[tor
     return torch.from_numpy(arrays["train_x"][:n]).to(device), torch.from_numpy(arrays["train_y"][:n]).long().to(device)
 
 
-def setup(p: dict[str, Any], device: torch.device, norm: str = "group"):
-    model = build_model(**p.model.model_dump(), norm=norm, seed=p.seed).to(device)
+def setup(p: dict[str, Any], device: torch.device, norm: str = "group", matmul_depthwise: bool = True):
+    model = build_model(
+        **p.model.model_dump(), norm=norm, seed=p.seed, device=device, matmul_depthwise=matmul_depthwise
+    )
     dtype = amp_dtype(device, p.train)
     return model, make_optimizer(model, lr=1e-4), make_scaler(device, dtype), dtype
 
@@ -112,23 +115,32 @@ def bench_loops(p, device, s, arrays, repeats: int) -> dict[str, Any]:
             persistent_workers=True,
             pin_memory=device.type == "cuda",
         )
-        model, opt, scaler, dtype = setup(p, device, norm="batch")
         plan = schedule(n, micro, accum)
-        ours_fn = lambda: train_epoch(model, opt, scaler, images, labels, torch.randperm(n, device=device), plan, dtype)  # noqa: E731
-        theirs_fn = lambda: tutorial_loop(model, opt, scaler, loader, accum, device, dtype)  # noqa: E731
-        ours_fn(), theirs_fn()  # warm-up: workers started, kernels chosen
-        ours, theirs = [], []
-        for _ in range(repeats):  # interleaved, so drift on a noisy machine hits both alike
-            ours += median_time(ours_fn, 1)
-            theirs += median_time(theirs_fn, 1)
-    o, t = n / statistics.median(ours), n / statistics.median(theirs)
+        ours, timm_model = setup(p, device, norm="batch"), setup(p, device, norm="batch", matmul_depthwise=False)
+        arms = {  # the project as it trains; its loop on timm's model as the tutorial built it; the tutorial
+            "ours": lambda: train_epoch(*ours[:3], images, labels, torch.randperm(n, device=device), plan, ours[3]),
+            "loop": lambda: train_epoch(
+                *timm_model[:3], images, labels, torch.randperm(n, device=device), plan, ours[3]
+            ),
+            "tutorial": lambda: tutorial_loop(*timm_model[:3], loader, accum, device, ours[3]),
+        }
+        times: dict[str, list[float]] = {arm: [] for arm in arms}
+        for fn in arms.values():
+            fn()  # warm-up: workers started, kernels chosen
+        for _ in range(repeats):  # interleaved, so drift on a noisy machine hits every arm alike
+            for arm, fn in arms.items():
+                times[arm] += median_time(fn, 1)
+    speed = {arm: n / statistics.median(t) for arm, t in times.items()}
     return {
         "images": n,
         "micro_batch": micro,
         "accum": accum,
-        "ours_images_per_s": o,
-        "tutorial_images_per_s": t,
-        "ratio": o / t,
+        "ours_images_per_s": speed["ours"],
+        "loop_only_images_per_s": speed["loop"],
+        "tutorial_images_per_s": speed["tutorial"],
+        "ratio": speed["ours"] / speed["tutorial"],
+        "loop_only_ratio": speed["loop"] / speed["tutorial"],
+        "spread": {arm: [round(n / s, 1) for s in t] for arm, t in times.items()},
     }
 
 
@@ -204,12 +216,12 @@ def bench_sampler(p, device, s, arrays, repeats: int) -> dict[str, Any]:
     }
 
 
-def bench_planner(device: torch.device, s) -> dict[str, Any]:
-    fit_points = [run_point(m, device.type) for m in s["fit"]]
+def bench_planner(p, device: torch.device, s) -> dict[str, Any]:
+    fit_points = [run_point(p, m, device.type) for m in s["fit"]]
     fit = planner.fit([r["micro_batch"] for r in fit_points], [r["peak_mib"] for r in fit_points])
     rows = []
     for micro in s["check"]:
-        measured = run_point(micro, device.type)["peak_mib"]
+        measured = run_point(p, micro, device.type)["peak_mib"]
         predicted = planner.predict_mib(fit, micro)
         rows.append(
             {
@@ -237,8 +249,10 @@ def bench_ddp(repeats: int) -> dict[str, Any]:
 
 
 LINES = {  # what each benchmark prints, filled from its result
-    "loop_vs_tutorial": "1. loop, {images} images, micro-batch {micro_batch} x {accum}: this project "
-    "{ours_images_per_s:.1f} img/s, tutorial's DataLoader loop {tutorial_images_per_s:.1f} img/s, ratio {ratio:.2f}",
+    "loop_vs_tutorial": "1. training, {images} images, micro-batch {micro_batch} x {accum}: this project "
+    "{ours_images_per_s:.1f} img/s, the tutorial's DataLoader loop {tutorial_images_per_s:.1f} img/s: ratio "
+    "{ratio:.2f}; of which the loop alone (on timm's model, as the tutorial's) {loop_only_images_per_s:.1f} img/s, "
+    "ratio {loop_only_ratio:.2f}",
     "accumulation_cost": "2. accumulation at batch {batch}: accum 1 {accum_1_images_per_s:.1f}, accum 4 "
     "{accum_4_images_per_s:.1f}, accum 8 {accum_8_images_per_s:.1f} img/s; 4/1 {accum_4_over_1:.2f}, "
     "8/1 {accum_8_over_1:.2f}",
@@ -282,7 +296,7 @@ def main() -> None:
     machine = (
         torch.cuda.get_device_name(0) if device.type == "cuda" else f"{cpu_name()}, {torch.get_num_threads()} threads"
     )
-    print(f"benchmarks on {machine} ({device.type}), model {p['model']['name']}, median of {args.repeats}", flush=True)
+    print(f"benchmarks on {machine} ({device.type}), model {p.model.name}, median of {args.repeats}", flush=True)
     results = {
         "machine": machine,
         "device": device.type,
@@ -295,7 +309,7 @@ def main() -> None:
         ("loop_vs_tutorial", lambda: bench_loops(p, device, s, arrays, args.repeats)),
         ("accumulation_cost", lambda: bench_accum(p, device, s, arrays, args.repeats)),
         ("sampler_overhead", lambda: bench_sampler(p, device, s, arrays, args.repeats)),
-        ("planner", lambda: bench_planner(device, s)),
+        ("planner", lambda: bench_planner(p, device, s)),
         ("ddp_no_sync", lambda: bench_ddp(args.repeats)),
     )
     for key, bench in benches:

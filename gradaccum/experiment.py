@@ -53,6 +53,16 @@ def plan_check(
     )
 
 
+def emulation_check(p: Params, hw: dict[str, Any], dtype: torch.dtype | None) -> str | None:
+    """bfloat16 on a CPU without its kernels runs ~15x slower than float32 and says nothing of a GPU: not run."""
+    if hw["device"] != "cpu" or dtype != torch.bfloat16 or hw["cpu"]["native_bfloat16"] or p.train.emulated_bfloat16:
+        return None
+    return (
+        "this CPU has no bfloat16 kernels, so bfloat16 would be emulated, about 15x slower than float32; "
+        "train.emulated_bfloat16: true trains it anyway"
+    )
+
+
 def oom_record(err: BaseException, device: torch.device) -> DidNotFit:
     total = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else 0
     used = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
@@ -113,15 +123,15 @@ def run_variant(
     micro = micro_batch_size(scale.batch, accum * world)  # per process
     dtype = amp_dtype(device, p.train, v.precision)
     model = build_model(
-        **p.model.model_dump(), norm=v.norm, seed=p.seed, swap=v.swap, checkpointing=v.checkpointing
-    ).to(device)
+        **p.model.model_dump(), norm=v.norm, seed=p.seed, swap=v.swap, checkpointing=v.checkpointing, device=device
+    )
     sync_bn = p.distributed.sync_batchnorm and v.norm == "batch"
     model = distributed.wrap(model, device, sync_bn)
     if rank == 0:
         print(headline(variant, v, accum, micro, world, scale.batch, hw, dtype), flush=True)
-    failure = plan_check(p, device, micro, plan, world)
+    failure, not_run = plan_check(p, device, micro, plan, world), emulation_check(p, hw, dtype)
     rows, failure, sampler = measured_training(
-        model, data, p, variant, scale, accum, micro, dtype, failure, rank, world, memory_snapshot
+        model, data, p, variant, scale, accum, micro, dtype, failure, rank, world, memory_snapshot, run=not not_run
     )
     record = VariantRecord(
         variant=variant,
@@ -142,8 +152,9 @@ def run_variant(
         train_samples=len(data["train_y"]),
         test_samples=len(data["test_y"]),
         parameters=count_parameters(distributed.unwrap(model)),
-        fit=failure is None,
+        fit=failure is None and not_run is None,
         did_not_fit=failure,
+        not_run=not_run,
         final_train_loss=rows[-1]["train_loss"] if rows else None,
         test_accuracy=rows[-1]["test_accuracy"] if rows else None,
         images_per_second=float(np.median([r["images_per_second"] for r in rows])) if rows else None,
@@ -152,7 +163,7 @@ def run_variant(
         train_seconds=sum(r["seconds"] for r in rows),
         memory=peak_memory(sampler, device, world),
     )
-    weights = distributed.unwrap(model).state_dict() if failure is None else {}
+    weights = distributed.unwrap(model).state_dict() if record.fit else {}
     return VariantRun(record, rows, sampler, weights)
 
 
@@ -169,8 +180,12 @@ def measured_training(
     rank: int,
     world: int,
     memory_snapshot: Path | None,
+    run: bool = True,
 ) -> tuple[list[dict[str, Any]], DidNotFit | None, MemorySampler]:
-    """The loop inside the memory sampler (and PyTorch's memory history, if asked); out of memory is a result."""
+    """The loop inside the memory sampler (and PyTorch's memory history, if asked); out of memory is a result.
+
+    Nothing trains when `failure` is set already or `run` is false.
+    """
     v, device = p.variants[variant], data["train_x"].device
     rows: list[dict[str, Any]] = []
     if device.type == "cuda":
@@ -178,7 +193,7 @@ def measured_training(
     wanted = memory_snapshot and device.type == "cuda" and rank == 0
     snapshot = FirstStepSnapshot(memory_snapshot) if wanted else nullcontext()
     with MemorySampler(device.type, p.memory.interval_ms, gpu_index=device.index or 0) as sampler, snapshot:
-        if failure is None:
+        if failure is None and run:
             try:
                 rows = train(
                     model,

@@ -34,7 +34,7 @@ def gradient_check(
     x, y = normalize(images[:BATCH]), labels[:BATCH].long()
     rows = []
     for norm, weighting in METHODS:
-        model = build(norm).to(device).train()
+        model = build(norm).train()
         full = accumulated_gradient(model, x, y, 1)
         for accum in ACCUMS:
             diff = relative_difference(accumulated_gradient(model, x, y, accum, weighting), full)

@@ -96,6 +96,9 @@ class Train(Section):
     amp_cuda: Literal["float16", "bfloat16", "float32"] = _allowed("one of float16, bfloat16, float32")
     amp_cpu: Literal["bfloat16", "float32"] = _allowed("one of bfloat16, float32")
     eval_batch: PositiveInt
+    emulated_bfloat16: bool = _allowed(
+        "true (train bfloat16 on a CPU that emulates it) or false (record it as not run)"
+    )
 
 
 class Memory(Section):
@@ -104,6 +107,7 @@ class Memory(Section):
     host_budget_gb: PositiveNumber
     cards_gb: list[PositiveNumber] = _allowed("a non-empty list of card sizes in GB", min_length=1)
     sweep_steps: PositiveInt
+    sweep_timeout_s: PositiveNumber
 
 
 class Distributed(Section):

@@ -60,8 +60,9 @@ class VariantRecord(Record):
     test_samples: int
     dataset: str = ""  # the data's provenance kind: mirror, local or fallback
     parameters: int
-    fit: bool  # ran to the end; else did_not_fit says why
+    fit: bool  # ran to the end; else did_not_fit or not_run says why
     did_not_fit: DidNotFit | None = None
+    not_run: str | None = None  # left out on purpose, before training (bfloat16 on a CPU that emulates it)
     final_train_loss: float | None = None
     test_accuracy: float | None = None
     images_per_second: float | None = None  # median over epochs, evaluation not timed
@@ -73,9 +74,15 @@ class VariantRecord(Record):
 
     @model_validator(mode="after")
     def fit_means_no_failure(self) -> VariantRecord:
-        if self.fit != (self.did_not_fit is None):
-            raise ValueError(f"fit = {self.fit} but did_not_fit = {self.did_not_fit}")
+        if self.fit != (self.did_not_fit is None and self.not_run is None) or (self.did_not_fit and self.not_run):
+            raise ValueError(f"fit = {self.fit} but did_not_fit = {self.did_not_fit}, not_run = {self.not_run}")
         return self
+
+    def why_not(self) -> str | None:
+        """Why the variant did not train to the end, in a few words; None when it did."""
+        if self.did_not_fit:
+            return f"did not fit: {self.did_not_fit.reason}"
+        return f"not run: {self.not_run}" if self.not_run else None
 
     @classmethod
     def read(cls, path: Path) -> VariantRecord:

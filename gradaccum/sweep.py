@@ -1,19 +1,22 @@
 """The memory sweep: peak memory at a ladder of micro-batch sizes, and the planner's fit on it.
 
-Each point runs in a fresh process, so the kernel's RSS high-water mark (CPU) and the CUDA
-context and caches (GPU) belong to that point alone.
+Each point runs in a fresh interpreter of its own, so the kernel's RSS high-water mark (CPU) and
+the CUDA context and caches (GPU) belong to that point alone, as they do in a train stage. Not
+forked from a process that has imported torch: that saves 3-4 s of imports a point, but a forked
+child's RSS leaves out the library pages its parent faulted in, and the fit's fixed part came out
+~290 MiB low (529 against 817 MiB, measured), an under-estimate of every training peak.
 
-    python -m gradaccum.sweep --point 256  # one point of the real loop; prints its JSON (run_point calls this)
+    echo "$PARAMS_JSON" | python -m gradaccum.sweep --point 256   # one point; prints its row as JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -29,6 +32,7 @@ POINT_COLUMNS = (
     "micro_batch",
     "checkpointing",
     "images_per_s",
+    "seconds",
     "fit",
     "peak_mib",
     "rss_peak_mib",
@@ -43,7 +47,7 @@ IMAGE_SIZE = 28  # MNIST and Fashion-MNIST alike; memory does not depend on pixe
 def measure_point(p: params.Params, device: torch.device, micro: int, checkpointing: bool = False) -> dict[str, Any]:
     """A few optimizer steps of the real training loop at one micro-batch size (GroupNorm, accum 1)."""
     steps = p.memory.sweep_steps
-    model = build_model(**p.model.model_dump(), norm="group", seed=p.seed, checkpointing=checkpointing).to(device)
+    model = build_model(**p.model.model_dump(), norm="group", seed=p.seed, checkpointing=checkpointing, device=device)
     dtype = amp_dtype(device, p.train)
     opt, scaler = make_optimizer(model, lr=1e-4), make_scaler(device, dtype)
     n = micro * steps
@@ -58,7 +62,8 @@ def measure_point(p: params.Params, device: torch.device, micro: int, checkpoint
         train_epoch(model, opt, scaler, images, labels, torch.arange(n, device=device), schedule(n, micro, 1), dtype)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        row["images_per_s"] = round(n / (time.perf_counter() - start), 1)  # the first step's warm-up included
+        row["seconds"] = round(time.perf_counter() - start, 2)  # the first step's warm-up included
+        row["images_per_s"] = round(n / row["seconds"], 1)
     except torch.OutOfMemoryError as err:
         row.update(fit=False, error=str(err).splitlines()[0][:200])
     row["rss_peak_mib"] = round(peak_rss_mib(), 1)
@@ -76,18 +81,45 @@ def measure_point(p: params.Params, device: torch.device, micro: int, checkpoint
     return row
 
 
-def run_point(micro: int, device: str, checkpointing: bool = False, params_file: Path = params.PARAMS_FILE) -> dict:
-    """measure_point in a fresh process; a point that fails or is killed is a "did not fit" row."""
-    cmd = [sys.executable, "-m", "gradaccum.sweep", "--point", str(micro), "--device", device]
-    cmd += ["--params", str(params_file)]
-    cmd += ["--checkpointing"] if checkpointing else []
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)  # a killed point is a result
+class SweepError(RuntimeError):
+    """A sweep point failed for a reason other than memory: the stage stops with it."""
+
+
+POINT_COMMAND = (sys.executable, "-m", "gradaccum.sweep")  # reads the params as JSON on stdin, prints the row
+
+
+def run_point(
+    p: params.Params, micro: int, device: str, checkpointing: bool = False, command: tuple[str, ...] = POINT_COMMAND
+) -> dict[str, Any]:
+    """measure_point in a fresh interpreter, whose last line of output is the row as JSON.
+
+    Out of memory is a row that did not fit: PyTorch's OutOfMemoryError inside the point (GPU), or the
+    kernel's out-of-memory killer ending it with SIGKILL (CPU). Any other failure, and a point still
+    running after memory.sweep_timeout_s, raises SweepError with what the point printed last.
+    """
+    args = [*command, "--point", str(micro), "--device", device] + (["--checkpointing"] if checkpointing else [])
+    what = f"sweep point micro-batch {micro}{' (checkpointing)' if checkpointing else ''}"
+    try:
+        proc = subprocess.run(
+            args,
+            input=p.model_dump_json(),
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=p.memory.sweep_timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        raise SweepError(
+            f"{what} was still running after memory.sweep_timeout_s = {p.memory.sweep_timeout_s} s"
+        ) from None
     if proc.returncode == 0:
         return json.loads(proc.stdout.strip().splitlines()[-1])
-    row: dict[str, Any] = dict.fromkeys(POINT_COLUMNS)
-    tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-    row.update(micro_batch=micro, checkpointing=checkpointing, fit=False, error=f"exit {proc.returncode}: {tail[:200]}")
-    return row
+    if proc.returncode == -signal.SIGKILL:  # what the kernel's out-of-memory killer sends
+        row: dict[str, Any] = dict.fromkeys(POINT_COLUMNS)
+        error = "killed by SIGKILL, as the kernel's out-of-memory killer ends a process"
+        return row | {"micro_batch": micro, "checkpointing": checkpointing, "fit": False, "error": error}
+    tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+    raise SweepError(f"{what} failed with exit code {proc.returncode}:\n{tail}")
 
 
 def device_memory_mib(hw: dict[str, Any], p: params.Params) -> tuple[float, str]:
@@ -108,7 +140,7 @@ def sweep(p: params.Params, hw: dict[str, Any], log: Any = print) -> dict[str, A
     rows = []
     for checkpointing in planner.LEVERS.values():  # the plain model, then with activation checkpointing
         for micro in scale.sweep_micro_batches:
-            row = run_point(micro, hw["device"], checkpointing)
+            row = run_point(p, micro, hw["device"], checkpointing)
             log(
                 f"sweep: micro-batch {micro}{' (checkpointing)' if checkpointing else ''}: "
                 + (f"peak {row['peak_mib']} MiB" if row["fit"] else f"did not fit ({row['error']})")
@@ -145,10 +177,6 @@ if __name__ == "__main__":
     parser.add_argument("--point", type=int, required=True, help="the micro-batch size")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
-    parser.add_argument("--params", type=Path, default=params.PARAMS_FILE)
     args = parser.parse_args()
-    try:
-        p = params.load(args.params)
-    except params.ParamsError as err:
-        sys.exit(f"error: {err}")
+    p = params.Params.model_validate_json(sys.stdin.read())  # validated by the parent already
     print(json.dumps(measure_point(p, torch.device(args.device), args.point, args.checkpointing)))

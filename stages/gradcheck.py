@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 
@@ -17,11 +18,15 @@ def main() -> None:
     p = params.load()
     device = torch.device(read_json(HARDWARE)["device"])
     data = mnist.load_tensors(DATASET, device, gradcheck.BATCH, 0)
+    start = time.perf_counter()
     result = gradcheck.gradient_check(
-        lambda norm: build_model(**p.model.model_dump(), norm=norm, seed=p.seed), data["train_x"], data["train_y"]
+        lambda norm: build_model(**p.model.model_dump(), norm=norm, seed=p.seed, device=device),
+        data["train_x"],
+        data["train_y"],
     )
     write_table(GRADCHECK_TSV, result["rows"], gradcheck.COLUMNS)
-    write_json(GRADCHECK, result | {"stage_seconds": process_seconds()})
+    seconds = {"compute_seconds": time.perf_counter() - start, "stage_seconds": process_seconds()}
+    write_json(GRADCHECK, result | seconds)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import sys
 from gradaccum import params
 from gradaccum.machine import process_seconds
 from gradaccum.outputs import read_json, write_json, write_table
-from gradaccum.sweep import POINT_COLUMNS, sweep
+from gradaccum.sweep import POINT_COLUMNS, SweepError, sweep
 from stages.paths import HARDWARE, SWEEP_PLAN, SWEEP_POINTS
 
 
@@ -29,5 +29,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (params.ParamsError, ValueError) as err:
+    except (params.ParamsError, SweepError, ValueError) as err:
         sys.exit(f"error: {err}")

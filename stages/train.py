@@ -53,9 +53,8 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
     with atomic_path(weights_path(variant)) as tmp:
         torch.save(run.weights, tmp)
     write_json(out / "metrics.json", record.model_dump(mode="json"))
-    failure = record.did_not_fit
     peak = record.memory.nvidia_smi_peak_mib or record.memory.rss_peak_mib
-    print(f"train@{variant}: {'did not fit: ' + failure.reason if failure else 'done'}; peak {peak:.0f} MiB")
+    print(f"train@{variant}: {record.why_not() or 'done'}; peak {peak:.0f} MiB")
 
 
 if __name__ == "__main__":

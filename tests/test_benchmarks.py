@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -57,3 +58,23 @@ def test_every_benchmark_line_formats_a_recorded_result() -> None:
     for key in (k for k in LINES if k != "planner_check"):
         text = line(key, recorded[key])
         assert text[0].isdigit() and "{" not in text, text
+
+
+def test_repro_breakdown_splits_the_computation_from_the_overhead(workdir: Path) -> None:
+    from test_report import fixture_run
+
+    from benchmarks.repro import breakdown, table
+
+    metrics = fixture_run(workdir, "cpu")
+    walls = {"hardware": 4.0, "download": 3.0, "sweep": 31.0, "gradcheck": 13.0}
+    walls |= {f"train@{n}": m["stage_seconds"] + 1 for n, m in metrics.items()} | {"report": 10.0}
+    total = sum(walls.values()) + 2
+    result = breakdown(workdir, walls, total)
+    work = 6 * 1.5 + 7.0 + sum(m["train_seconds"] for m in metrics.values())  # sweep points, gradcheck, loops
+    assert result["computation_s"] == pytest.approx(work) and result["overhead_s"] == pytest.approx(
+        total - work, abs=0.1
+    )
+    assert result["by_stage"]["report"] == {"wall_s": 10.0, "process_s": None, "computation_s": 0}
+    assert result["by_stage"]["sweep"]["process_s"] == 30.0
+    printed = table(result)
+    assert f"overhead {total - work:.0f} s = {(total - work) / total:.0%}" in printed and "train@baseline" in printed

@@ -11,6 +11,7 @@ from timm.layers import GroupNormAct
 from torch import nn
 
 from gradaccum.accumulation import relative_difference
+from gradaccum.depthwise import DepthwiseAsMatmul, SmallMapDepthwiseConv2d, tap_index, use_matmul_depthwise
 from gradaccum.models import batchnorm_to_groupnorm, build_model, count_parameters
 
 ARGS = {"name": "efficientnet_b0", "in_chans": 1, "num_classes": 10, "seed": 99}
@@ -112,3 +113,78 @@ def test_checkpointed_gradient_equals_the_plain_gradient() -> None:
         torch.nn.functional.cross_entropy(model(x), y).backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert float((grads[0] - grads[1]).norm() / grads[0].norm()) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("size", "kernel", "stride", "padding", "dilation"),
+    [
+        (1, 5, 1, 2, 1),  # efficientnet_b0's last stages on 28x28 digits: only the centre tap reads the map
+        (2, 5, 1, 2, 1),
+        (2, 5, 2, 2, 1),  # strided
+        (2, 3, 1, 1, 1),
+        (4, 5, 2, 2, 1),
+        (7, 3, 1, 1, 1),  # the largest map the matrices take
+        (5, 4, 3, 3, 1),  # even kernel, uneven strides
+        (1, 3, 1, 2, 2),  # dilated
+    ],
+)
+def test_depthwise_as_matmul_is_the_same_convolution(size, kernel, stride, padding, dilation) -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(6, 6, kernel, stride, padding, dilation, groups=6, bias=False).double()
+    matmul = use_matmul_depthwise(nn.Sequential(copy.deepcopy(conv)))[0]
+    assert type(matmul) is SmallMapDepthwiseConv2d
+    x = torch.randn(3, 6, size, size + 1, dtype=torch.float64, requires_grad=True)  # not square
+    results = []
+    for m in (conv, matmul):
+        out = m(x)
+        weights = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)
+        results.append((out, *torch.autograd.grad((out * weights).sum(), (x, m.weight))))
+    for a, b in zip(*results, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda x, w: DepthwiseAsMatmul.apply(x, w, *matmul_args(matmul, x)), (x, matmul.weight)
+    )
+
+
+def matmul_args(m: nn.Conv2d, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    m(x)  # fills the module's cache of tap indices for this map size
+    return m._tap_index[tuple(x.shape[-2:])], m(x).shape[-2:]
+
+
+def test_tap_index_by_hand() -> None:
+    # a 2x2 map, 3x3 kernel, padding 1: every output pixel reads all four input pixels, each through its own tap
+    assert tap_index((2, 2), (3, 3), (1, 1), (1, 1), (1, 1), (2, 2)).tolist() == [
+        [4, 5, 7, 8],
+        [3, 4, 6, 7],
+        [1, 2, 4, 5],
+        [0, 1, 3, 4],
+    ]
+    assert tap_index((1, 1), (5, 5), (1, 1), (2, 2), (1, 1), (1, 1)).tolist() == [[12]]  # the centre tap only
+
+
+def test_large_maps_and_autocast_keep_the_plain_convolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = use_matmul_depthwise(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False)))[0]
+    monkeypatch.setattr(DepthwiseAsMatmul, "apply", lambda *a: pytest.fail("used the matrices"))
+    m(torch.randn(2, 4, 9, 8))  # 72 pixels
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(torch.randn(2, 4, 2, 2))
+
+
+def test_the_model_uses_the_matrices_on_the_cpu_only_and_trains_the_same() -> None:
+    cpu = build_model(**ARGS, norm="group", group_norm_groups=1)
+    assert sum(type(m) is SmallMapDepthwiseConv2d for m in cpu.modules()) == 16  # every block's depthwise conv
+    meta = build_model(**ARGS, norm="group", group_norm_groups=1, device="meta")  # a GPU's model: timm's own
+    assert not any(type(m) is SmallMapDepthwiseConv2d for m in meta.modules())
+    plain = copy.deepcopy(cpu)
+    for m in plain.modules():
+        if type(m) is SmallMapDepthwiseConv2d:
+            m.__class__ = nn.Conv2d
+    x, y = torch.randn(4, 1, 28, 28), torch.arange(4)
+    losses, grads = [], []
+    for m in (plain, cpu):
+        loss = F.cross_entropy(m.train()(x), y)
+        losses.append(loss.item())
+        grads.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(m.parameters()))]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert relative_difference(grads[1], grads[0]) < 1e-5

@@ -79,10 +79,14 @@ def test_repro_runs_every_stage_and_renders_the_report(repo, repro: str) -> None
     variants = yaml.safe_load((path / "params.yaml").read_text())["variants"]
     assert ran(repro) == {"hardware", "download", "sweep", "gradcheck", "report"} | {f"train@{v}" for v in variants}
     assert "Falling back to the 5,000-digit MNIST SAMPLE" in repro
+    emulated = not json.loads((path / "data/hardware.json").read_text())["cpu"]["native_bfloat16"]
     for v in variants:
         m = json.loads((path / f"reports/variants/{v}/metrics.json").read_text())
-        assert m["fit"] and m["scale"] == "cpu" and m["device"] == "cpu" and m["dataset"] == "fallback"
-        assert m["memory"]["rss_peak_mib"] > 100 and m["optimizer_steps"] == 3  # 96 images / 32 per step
+        assert m["scale"] == "cpu" and m["device"] == "cpu" and m["dataset"] == "fallback"
+        if v == "groupnorm_precision" and emulated:  # bfloat16 on a CPU without its kernels: recorded, not run
+            assert not m["fit"] and "no bfloat16 kernels" in m["not_run"] and m["optimizer_steps"] == 0
+            continue
+        assert m["fit"] and m["memory"]["rss_peak_mib"] > 100 and m["optimizer_steps"] == 3  # 96 images / 32 per step
     state = torch.load(path / "data/models/accumulation.pt", weights_only=True)
     assert "conv_stem.weight" in state and state["conv_stem.weight"].shape[1] == 1
     html = (path / "reports/report.html").read_text()

@@ -40,7 +40,9 @@ FIGURES = (
 )
 
 
-def variant_outputs(root: Path, name: str, device: str, batch: int, fit: bool, peak: float) -> dict[str, Any]:
+def variant_outputs(
+    root: Path, name: str, device: str, batch: int, fit: bool, peak: float, not_run: str | None = None
+) -> dict[str, Any]:
     norm, accum, lr = VARIANTS[name]
     epochs = [
         {
@@ -89,8 +91,9 @@ def variant_outputs(root: Path, name: str, device: str, batch: int, fit: bool, p
         "dataset": "mirror",
         "parameters": 4019782,
         "fit": fit,
+        "not_run": not_run,
         "did_not_fit": None
-        if fit
+        if fit or not_run
         else {
             "reason": "out of memory: CUDA out of memory. Tried to allocate 9.00 GiB",
             "memory_at_failure_mib": round(peak),
@@ -162,16 +165,34 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
         "groupnorm_precision": 21000.0,
     }
     too_big = "baseline" if device == "cuda" else "accum_batchnorm"  # the tutorial's case on a 24 GB card; a budget
-    metrics = {n: variant_outputs(root, n, device, batch, fit=n != too_big, peak=peaks[n]) for n in p["variants"]}
+    not_run = {"groupnorm_precision": "this CPU has no bfloat16 kernels"} if device == "cpu" else {}
+    metrics = {
+        n: variant_outputs(root, n, device, batch, n != too_big and n not in not_run, peaks[n], not_run.get(n))
+        for n in p["variants"]
+    }
     if device == "cuda":  # what scripts/gpu_check.sh leaves for PyTorch's memory viewer
         (root / "reports/variants/accumulation/memory_snapshot.pickle").write_bytes(b"\x80" * 2**20)
     fit = {"fixed_mib": 1200.0, "per_sample_mib": 1.6, "r2": 0.999}
     points = [
-        {"micro_batch": m, "checkpointing": False, "fit": True, "peak_mib": 1200 + 1.6 * m, "images_per_s": 900.0}
+        {
+            "micro_batch": m,
+            "checkpointing": False,
+            "fit": True,
+            "peak_mib": 1200 + 1.6 * m,
+            "images_per_s": 900.0,
+            "seconds": 1.5,
+        }
         for m in (256, 1024, 4096)
     ]
     points += [
-        {"micro_batch": m, "checkpointing": True, "fit": True, "peak_mib": 1200 + 0.6 * m, "images_per_s": 700.0}
+        {
+            "micro_batch": m,
+            "checkpointing": True,
+            "fit": True,
+            "peak_mib": 1200 + 0.6 * m,
+            "images_per_s": 700.0,
+            "seconds": 1.5,
+        }
         for m in (256, 1024, 8192)
     ]
     points.append({"micro_batch": 32768, "checkpointing": False, "fit": False, "peak_mib": None, "error": "oom"})
@@ -202,6 +223,7 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
             "groupnorm_equal": True,
             "batchnorm_min": 1.2,
             "batchnorm_differs": True,
+            "compute_seconds": 7.0,
             "stage_seconds": 12.0,
             "rows": [
                 {"norm": "group", "accum": 2, "micro_batch": 48, "relative_difference": 3e-7},
@@ -248,6 +270,8 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
             expected_peak = m["memory"]["nvidia_smi_peak_mib"] if device == "cuda" else m["memory"]["rss_peak_mib"]
             assert float(row["peak memory (MiB)"]) == pytest.approx(expected_peak, abs=0.05)
             assert row["fit"] == "yes"
+        elif m["not_run"]:
+            assert row["fit"] == "not run" and row["why not"] == m["not_run"] and row["peak memory (MiB)"] == "-"
         else:
             assert row["fit"] == "did not fit" and row["final train loss"] == "-"
             assert float(row["peak memory (MiB)"]) == m["did_not_fit"]["memory_at_failure_mib"]
@@ -278,7 +302,8 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     summary = yaml.safe_load((workdir / "reports/metrics.json").read_text())  # what dvc exp show compares
     assert set(summary) == {"memory_ratio", "world_size", *metrics} and summary["world_size"] == 1
     for name, m in metrics.items():
-        assert summary[name]["peak_mib"] == pytest.approx(float(rows[name]["peak memory (MiB)"]), abs=0.05)
+        shown = rows[name]["peak memory (MiB)"]
+        assert summary[name]["peak_mib"] == (pytest.approx(float(shown), abs=0.05) if shown != "-" else None)
         assert summary[name]["acc"] == m["test_accuracy"] and set(summary[name]) == {"peak_mib", "loss", "acc", "img_s"}
     if device == "cpu":
         assert summary["memory_ratio"] == pytest.approx(acc_peak / base_peak, abs=1e-4)
@@ -299,8 +324,12 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     assert "the corrections change the final loss by" in tut_row["verdict"]
 
     levers = {r["variant"]: r for r in md_table(md, "The memory levers side by side")}
+    not_run = [n for n, m in metrics.items() if m["not_run"]]
     assert list(levers) == ["groupnorm_precision", "accumulation", "checkpointing", "accum_checkpointing"]
     for name, row in levers.items():
+        if name in not_run:
+            assert row["peak memory vs groupnorm"].startswith("not run: this CPU has no bfloat16 kernels")
+            continue
         ref = float(rows["groupnorm"]["peak memory (MiB)"])
         assert float(row["peak memory vs groupnorm"]) == pytest.approx(
             float(rows[name]["peak memory (MiB)"]) / ref, abs=0.005
@@ -340,13 +369,16 @@ def test_report_says_where_the_time_went(workdir: Path) -> None:
     rows = {r["stage"]: r for r in md_table(md, "Where this run's time went")}
     assert list(rows)[:2] == ["sweep", "gradcheck"] and float(rows["sweep"]["seconds"]) == 30.0
     rest = "the rest: start-up, evaluation, sampling, writing (s)"
+    assert float(rows["sweep"]["computation (s)"]) == pytest.approx(6 * 1.5)  # the fixture's points, 1.5 s each
+    assert float(rows["gradcheck"]["computation (s)"]) == 7.0
     for name, m in metrics.items():
         row = rows[f"train@{name}"]
-        assert float(row["seconds"]) == m["stage_seconds"] and float(row["training loop (s)"]) == m["train_seconds"]
+        assert float(row["seconds"]) == m["stage_seconds"] and float(row["computation (s)"]) == m["train_seconds"]
         assert float(row[rest]) == pytest.approx(m["stage_seconds"] - m["train_seconds"])
     total = rows["all timed stages"]
     assert float(total["seconds"]) == pytest.approx(30 + 12 + sum(m["stage_seconds"] for m in metrics.values()))
-    assert float(total[rest]) == pytest.approx(sum(m["stage_seconds"] - m["train_seconds"] for m in metrics.values()))
+    work = 9 + 7 + sum(m["train_seconds"] for m in metrics.values())
+    assert float(total[rest]) == pytest.approx(float(total["seconds"]) - work)
     assert "This CPU (Test CPU) has no native bfloat16" in md
 
 

@@ -152,6 +152,30 @@ def test_over_host_budget_is_not_run(workdir: Path, monkeypatch: pytest.MonkeyPa
     assert metrics["did_not_fit"]["memory_at_failure_mib"] == 800 + 100 * CPU_BATCH
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_bfloat16_is_not_run_on_a_cpu_that_emulates_it(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    stage_inputs(workdir)
+    write_json(workdir / "data/hardware.json", {"device": "cpu", "scale": "cpu", "cpu": {"native_bfloat16": native}})
+    trained = []
+    monkeypatch.setattr(experiment, "train", lambda model, data, **k: trained.append(k["dtype"]) or [])
+    train_stage.main("groupnorm_precision")  # float32 by default on the CPU, so its precision lever is bfloat16
+    metrics = json.loads((workdir / "reports/variants/groupnorm_precision/metrics.json").read_text())
+    if native:
+        assert trained == [torch.bfloat16] and metrics["not_run"] is None
+    else:
+        assert trained == [] and metrics["fit"] is False and metrics["did_not_fit"] is None
+        assert "no bfloat16 kernels" in metrics["not_run"] and "train.emulated_bfloat16: true" in metrics["not_run"]
+        (workdir / "params.yaml").write_text(
+            (workdir / "params.yaml").read_text().replace("emulated_bfloat16: false", "emulated_bfloat16: true")
+        )
+        train_stage.main("groupnorm_precision")
+        assert trained == [torch.bfloat16]
+    train_stage.main("groupnorm")  # float32 never skipped
+    assert trained[-1] is None
+
+
 def test_accum_auto_resolves_from_the_planner(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stage_inputs(workdir)
     params_text = (workdir / "params.yaml").read_text().replace("\naccum: 4 ", "\naccum: auto ")
@@ -196,7 +220,9 @@ def test_tutorial_loop_carries_gradient_into_the_next_epoch() -> None:
 
 def test_precision_lever_flips_autocast() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    train = params.Train(weight_decay=0.0, amp_cuda="float16", amp_cpu="float32", eval_batch=64)
+    train = params.Train(
+        weight_decay=0.0, amp_cuda="float16", amp_cpu="float32", eval_batch=64, emulated_bfloat16=False
+    )
     assert loop.amp_dtype(cpu, train) is None and loop.amp_dtype(cpu, train, "other") == torch.bfloat16
     assert loop.amp_dtype(cuda, train) == torch.float16 and loop.amp_dtype(cuda, train, "other") is None
     assert loop.amp_dtype(cpu, train.model_copy(update={"amp_cpu": "bfloat16"}), "other") is None

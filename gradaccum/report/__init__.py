@@ -196,8 +196,10 @@ def time_section(rep: Report, inputs: Inputs) -> None:
     cpu = inputs.hardware["cpu"]
     emulated = inputs.hardware["device"] == "cpu" and cpu.get("native_bfloat16") is False
     rep.text(
-        "Wall time of each stage's process, from its own record (hardware, download and report take seconds "
-        "and are not timed); the train stages split into the training loop and the rest."
+        "Wall time of each stage's process, start-up and imports included, from its own record (hardware, "
+        "download and report take seconds and are not timed), split into the study's computation (the sweep's "
+        "points, the gradient check, each variant's training loop) and the rest. `python -m benchmarks.repro` "
+        "times a whole `dvc repro` on a fresh clone, DVC's own time included."
         + (
             f" This CPU ({cpu['name']}) has no native bfloat16, so bfloat16 autocast is emulated and runs far "
             "slower than float32 here."

@@ -52,9 +52,9 @@ class Report:
     def table(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
             return
-        cols = list(rows[0])
+        cols = list(dict.fromkeys(c for r in rows for c in r))  # every row's columns, in order
         lines = ["| " + " | ".join(map(cell, cols)) + " |", "|" + "---|" * len(cols)]
-        lines += ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows]
+        lines += ["| " + " | ".join(cell(r.get(c, "-")) for c in cols) + " |" for r in rows]  # "-": not measured
         self.blocks.append("\n".join(lines))
 
     def figure(self, name: str, fig: plt.Figure, caption: str) -> None:

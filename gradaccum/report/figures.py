@@ -16,6 +16,12 @@ from gradaccum.report.tables import Results, memory_label, peak_split
 sns.set_theme(style="whitegrid", context="notebook")  # every figure alike
 
 
+def missing_note(results: Results) -> str:
+    """The variants a figure cannot show, and why, for its caption."""
+    missing = {n: r.record for n, r in results.items() if not r.record.fit}
+    return "".join(f" {n}: {m.why_not().split(':')[0]}." for n, m in missing.items())
+
+
 def epoch_figures(rep: Report, results: Results) -> None:
     """Training loss and test accuracy per epoch, every variant."""
     order = list(results)
@@ -23,8 +29,7 @@ def epoch_figures(rep: Report, results: Results) -> None:
         [r.epochs.assign(variant=n) for n, r in results.items() if len(r.epochs)]
         or [pd.DataFrame(columns=["epoch", "train_loss", "test_accuracy", "variant"])]
     )
-    missing = [n for n, r in results.items() if not r.record.fit]
-    note = f" Did not fit: {', '.join(missing)}." if missing else ""
+    note = missing_note(results)
     for column, label, name in (
         ("train_loss", "mean training loss", "train_loss.png"),
         ("test_accuracy", "test accuracy", "test_accuracy.png"),
@@ -52,13 +57,14 @@ def epoch_figures(rep: Report, results: Results) -> None:
 
 def memory_timeline(rep: Report, results: Results, device: str) -> None:
     column = "process_mib" if device == "cuda" else "rss_mib"
-    timeline = pd.concat([r.timeline.assign(variant=n) for n, r in results.items()])
+    shown = [n for n, r in results.items() if not r.record.not_run]  # a variant not run has no timeline to show
+    timeline = pd.concat([results[n].timeline.assign(variant=n) for n in shown])
     fig, ax = plt.subplots(figsize=(7, 4))
-    sns.lineplot(timeline.dropna(subset=[column]), x="seconds", y=column, hue="variant", hue_order=list(results), ax=ax)
+    sns.lineplot(timeline.dropna(subset=[column]), x="seconds", y=column, hue="variant", hue_order=shown, ax=ax)
     ax.set(xlabel="seconds since the variant started", ylabel=memory_label(device).replace("peak ", ""))
     interval = next(iter(results.values())).record.memory.interval_ms
     source = "nvidia-smi snapshots" if device == "cuda" else "RSS"
-    rep.figure("memory_timeline.png", fig, f"Memory over time ({source}, every {interval} ms).")
+    rep.figure("memory_timeline.png", fig, f"Memory over time ({source}, every {interval} ms).{missing_note(results)}")
 
 
 def peak_memory(rep: Report, results: Results, device: str) -> None:
@@ -80,13 +86,12 @@ def peak_memory(rep: Report, results: Results, device: str) -> None:
     ax.set(ylabel=memory_label(device))
     ax.tick_params(axis="x", labelrotation=25)
     ax.legend(bbox_to_anchor=(1.02, 1), loc="upper left", fontsize="small")
-    missing = [n for n in order if not results[n].record.fit]
     split = (
         ", split into PyTorch's allocations, its cache, and what else nvidia-smi saw"
         if device == "cuda"
         else " (host RSS high-water mark)"
     )
-    note = f" Did not fit: {', '.join(missing)}." if missing else ""
+    note = missing_note(results)
     rep.figure("peak_memory.png", fig, f"Peak memory per variant{split}.{note}")
 
 
@@ -127,6 +132,7 @@ def sweep(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any]]) -> Non
 
 
 def levers(rep: Report, rows: list[dict[str, Any]]) -> None:
+    rows = [r for r in rows if "throughput vs groupnorm" in r]  # the levers that ran
     points = pd.DataFrame(
         {
             "lever": [r["lever"].split(" (")[0] for r in rows],

@@ -34,6 +34,8 @@ def peak_mib(m: VariantRecord, memory: MemoryPeaks | None = None) -> float | Non
     """
     if m.did_not_fit:
         return m.did_not_fit.memory_at_failure_mib
+    if m.not_run:
+        return None
     mem = memory or m.memory
     if m.device == "cuda":
         return mem.nvidia_smi_peak_mib or mem.torch_max_reserved_mib
@@ -91,10 +93,10 @@ def variants_table(results: Results) -> list[dict[str, Any]]:
             "images/s": fmt(m.images_per_second, 1),
             "optimizer steps": m.optimizer_steps,
             "skipped steps": m.skipped_steps,
-            "fit": "yes" if m.fit else "did not fit",
+            "fit": "yes" if m.fit else "not run" if m.not_run else "did not fit",
             "why not": f"{failed.reason} (at {failed.memory_at_failure_mib} of {failed.device_total_mib} MiB)"
             if failed
-            else "-",
+            else m.not_run or "-",
         }
         rows.append(row)
     return rows
@@ -127,6 +129,8 @@ def absolute_claims(results: Results, study_on_gpu: bool) -> list[dict[str, str]
         m = results[name].record if name in results else None
         if m is None:
             rows.append(claim(text, "-", None, f"not run: no {name} variant"))
+        elif m.not_run:
+            rows.append(claim(text, "-", None, f"not run: {m.not_run}"))
         elif not m.fit:
             failed = m.did_not_fit
             at = f"{failed.memory_at_failure_mib} of {failed.device_total_mib} MiB"
@@ -276,6 +280,10 @@ def lever_table(results: Results) -> list[dict[str, Any]]:
     for name, lever in LEVERS:
         m = done.get(name)
         if m is None:
+            if name in results:  # not run, or did not fit: say so in the lever's row
+                rows.append(
+                    {"lever": lever, "variant": name, "peak memory vs groupnorm": results[name].record.why_not()}
+                )
             continue
         rows.append(
             {
@@ -311,7 +319,7 @@ def summary(results: Results, grad: dict[str, Any] | None, device: str) -> str:
     what = "GPU memory (nvidia-smi)" if device == "cuda" else "host memory (RSS)"
     parts = []
     if "baseline" in get and not base:
-        parts.append(f"The baseline (batch {get['baseline'].batch}) did not fit: {get['baseline'].did_not_fit.reason}.")
+        parts.append(f"The baseline (batch {get['baseline'].batch}) {get['baseline'].why_not()}.")
     if acc:
         parts.append(
             f"Accumulation ({acc.accum} x {acc.micro_batch}) peaked at {peak_mib(acc):.0f} MiB of {what} "
@@ -387,6 +395,8 @@ def peak_split(m: VariantRecord) -> dict[str, float]:
     """The peak in parts: PyTorch's allocations, its cache, and what else nvidia-smi saw (or host RSS)."""
     if m.did_not_fit:
         return {"did not fit (memory at failure)": float(m.did_not_fit.memory_at_failure_mib or 0)}
+    if m.not_run:
+        return {}
     mem = m.memory
     if m.device != "cuda":
         return {"host RSS": mem.rss_peak_mib}
@@ -399,36 +409,43 @@ def peak_split(m: VariantRecord) -> dict[str, float]:
     }
 
 
+def stage_times(
+    records: dict[str, VariantRecord], plan: dict[str, Any] | None, grad: dict[str, Any] | None
+) -> dict[str, tuple[float, float]]:
+    """Each timed stage's process seconds and, of those, the study's own computation: the sweep's points,
+    the gradient check, each variant's training loop. The rest is start-up, evaluation, sampling, writing."""
+    plan, grad = plan or {}, grad or {}
+    stages = {
+        "sweep": (plan.get("stage_seconds"), sum(r.get("seconds") or 0 for r in plan.get("points", []))),
+        "gradcheck": (grad.get("stage_seconds"), grad.get("compute_seconds")),
+        **{f"train@{n}": (m.stage_seconds, m.train_seconds) for n, m in records.items()},
+    }
+    return {name: (total, work or 0.0) for name, (total, work) in stages.items() if total is not None}
+
+
 def time_rows(results: Results, plan: dict[str, Any] | None, grad: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Where this run's time went: each timed stage's process, and for training the loop's share of it."""
-    stages: list[tuple[str, float | None, float | None]] = [
-        ("sweep", (plan or {}).get("stage_seconds"), None),
-        ("gradcheck", (grad or {}).get("stage_seconds"), None),
-    ]
-    stages += [(f"train@{n}", r.record.stage_seconds, r.record.train_seconds) for n, r in results.items()]
-    timed = [(name, total, loop) for name, total, loop in stages if total is not None]
+    """Where this run's time went: each timed stage's process, and the study's computation's share of it."""
+    timed = stage_times({n: r.record for n, r in results.items()}, plan, grad)
     if not timed:
         return []
-    whole = sum(total for _, total, _ in timed)
+    whole, work = sum(t for t, _ in timed.values()), sum(w for _, w in timed.values())
     rows = [
         {
             "stage": name,
             "seconds": fmt(total, 1),
             "share": f"{total / whole:.0%}",
-            "training loop (s)": fmt(loop, 1),
-            "the rest: start-up, evaluation, sampling, writing (s)": fmt(total - loop if loop is not None else None, 1),
+            "computation (s)": fmt(done, 1),
+            "the rest: start-up, evaluation, sampling, writing (s)": fmt(total - done, 1),
         }
-        for name, total, loop in timed
+        for name, (total, done) in timed.items()
     ]
-    loops = sum(loop for _, _, loop in timed if loop is not None)
-    trains = sum(total for _, total, loop in timed if loop is not None)
     rows.append(
         {
             "stage": "all timed stages",
             "seconds": fmt(whole, 1),
             "share": "100%",
-            "training loop (s)": fmt(loops, 1),
-            "the rest: start-up, evaluation, sampling, writing (s)": fmt(trains - loops, 1),
+            "computation (s)": fmt(work, 1),
+            "the rest: start-up, evaluation, sampling, writing (s)": fmt(whole - work, 1),
         }
     )
     return rows

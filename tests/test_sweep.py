@@ -1,0 +1,52 @@
+"""The sweep's points: each in a process of its own, out of memory told apart from every other failure."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradaccum import params
+from gradaccum.sweep import SweepError, run_point
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def p() -> params.Params:
+    return params.set_values(params.read(ROOT / "params.yaml"), ["memory.sweep_steps=1", "memory.sweep_timeout_s=120"])
+
+
+def python(code: str) -> tuple[str, ...]:
+    """A stand-in for the point's command: the arguments run_point adds land in sys.argv, unread."""
+    return (sys.executable, "-c", code)
+
+
+def test_a_point_measures_its_own_peak(p: params.Params) -> None:
+    row = run_point(p, 8, "cpu")
+    assert row["fit"] and row["micro_batch"] == 8 and row["checkpointing"] is False
+    assert 200 < row["peak_mib"] == row["rss_peak_mib"] < 4000 and row["images_per_s"] > 0
+
+
+def test_killed_by_the_kernel_is_out_of_memory(p: params.Params) -> None:
+    row = run_point(p, 64, "cpu", checkpointing=True, command=python("import os, signal; os.kill(os.getpid(), 9)"))
+    assert row["fit"] is False and row["micro_batch"] == 64 and row["checkpointing"] is True
+    assert "SIGKILL" in row["error"] and row["peak_mib"] is None
+
+
+def test_an_error_in_a_point_stops_the_sweep_with_its_traceback(p: params.Params) -> None:
+    broken = p.model_copy(update={"model": p.model.model_copy(update={"name": "no_such_model"})})
+    with pytest.raises(SweepError, match=r"(?s)micro-batch 64 failed with exit code 1:.*no_such_model"):
+        run_point(broken, 64, "cpu")
+
+
+def test_a_point_that_dies_stops_the_sweep(p: params.Params) -> None:
+    with pytest.raises(SweepError, match="micro-batch 64 failed with exit code 3:\nout of disk"):
+        run_point(p, 64, "cpu", command=python("import sys; print('out of disk', file=sys.stderr); sys.exit(3)"))
+
+
+def test_a_point_that_hangs_times_out(p: params.Params) -> None:
+    quick = params.set_values(p.model_dump(), ["memory.sweep_timeout_s=1"])
+    with pytest.raises(SweepError, match="still running after memory.sweep_timeout_s = 1"):
+        run_point(quick, 64, "cpu", command=python("import time; time.sleep(60)"))
