@@ -1,6 +1,6 @@
 """`dvc repro` from a fresh clone, timed stage by stage: where `make repro`'s minutes go.
 
-    python -m benchmarks.repro [--out benchmarks/results/repro-NAME.json]   # part of `make bench`
+    python -m benchmarks.repro [--out benchmarks/results/repro-NAME.json] [--keep DIR]   # part of `make bench`
 
 Clones this checkout's committed HEAD into a temp folder and runs `dvc repro` there with this
 checkout's virtual environment (what `make repro` runs on a fresh clone once `make test` has made
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -89,12 +90,19 @@ def table(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/repro-latest.json"))
+    parser.add_argument(
+        "--keep", type=Path, help="copy the run's reports/ here (a reference run, made from a clean clone)"
+    )
     args = parser.parse_args()
+    if args.keep and args.keep.exists():
+        parser.error(f"--keep {args.keep}: already exists; pick a new folder")
     with tempfile.TemporaryDirectory() as tmp:
         clone = Path(tmp) / "clone"
         subprocess.run(["git", "clone", "-q", ".", str(clone)], check=True)
         walls, total = timed_repro(clone)
         result = breakdown(clone, walls, total)
+        if args.keep:
+            shutil.copytree(clone / "reports", args.keep)
     result |= {
         "commit": subprocess.run(
             ["git", "rev-parse", "HEAD"], check=True, capture_output=True, text=True

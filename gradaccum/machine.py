@@ -1,4 +1,8 @@
-"""What machine this is: the device, CPU and GPU facts that decide results (the `hardware` stage records them)."""
+"""What machine this is: the device, CPU and GPU facts that decide results (the `hardware` stage records them).
+
+torch is imported inside the functions that ask it: `process_seconds` is all the sweep stage's own
+process needs, and that process starts in a second without torch (3 s with it).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import torch
 
 
 def process_seconds() -> float:
@@ -21,6 +24,8 @@ def process_seconds() -> float:
 
 def native_bfloat16() -> bool:
     """Whether oneDNN has bfloat16 kernels on this CPU (AVX512-BF16, AMX); without them bfloat16 is emulated, slowly."""
+    import torch
+
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -55,6 +60,8 @@ def driver_version() -> str | None:
 
 def describe(cuda: bool) -> dict[str, Any]:
     """Facts that decide results, and nothing that changes between two runs on one machine."""
+    import torch
+
     info: dict[str, Any] = {
         "device": "cuda" if cuda else "cpu",
         "cpu": {

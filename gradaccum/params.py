@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from gradaccum.tutorial import CORRECTED
 
@@ -78,7 +78,9 @@ class Model(Section):
 
     @field_validator("name")
     @classmethod
-    def known_to_timm(cls, value: str) -> str:
+    def known_to_timm(cls, value: str, info: ValidationInfo) -> str:
+        if not (info.context or {}).get("model_names", True):
+            return value  # a stage that builds no model skips the 4 s import of timm (see `load`)
         import timm  # slow import, only when validating
 
         names = timm.list_models()
@@ -243,12 +245,12 @@ def _message(error: dict[str, Any]) -> str:
     return f"params.yaml: {key} = {value!r} is not allowed; {allowed}"
 
 
-def check(values: Any) -> Params:
+def check(values: Any, model_names: bool = True) -> Params:
     """Validate params (schema, then the rules that span keys); returns the typed model the code passes around."""
     if not isinstance(values, dict):
         _fail("the top level", values, "expected a mapping of the keys " + ", ".join(Params.model_fields))
     try:
-        p = Params.model_validate(values)
+        p = Params.model_validate(values, context={"model_names": model_names})
     except ValidationError as err:
         raise ParamsError(_message(err.errors()[0])) from None
     for name, variant in p.variants.items():
@@ -296,9 +298,14 @@ def check_distributed(p: Params, hardware: dict[str, Any]) -> None:
         _fail("distributed.sync_batchnorm", sync_bn, "SyncBatchNorm runs on GPUs only; use false on the CPU")
 
 
-def load(path: Path = PARAMS_FILE) -> Params:
-    """Read and check params.yaml; a YAML syntax error also names the file."""
-    return check(read(path))
+def load(path: Path = PARAMS_FILE, model_names: bool = True) -> Params:
+    """Read and check params.yaml; a YAML syntax error also names the file.
+
+    model_names=False leaves model.name unchecked against timm's registry: for the stages that build no
+    model (download, report), which would otherwise import timm and torch for it, 4 s each. The
+    `hardware` stage, first in every run, checks it.
+    """
+    return check(read(path), model_names)
 
 
 def read(path: Path = PARAMS_FILE) -> Any:

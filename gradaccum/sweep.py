@@ -1,32 +1,25 @@
 """The memory sweep: peak memory at a ladder of micro-batch sizes, and the planner's fit on it.
 
-Each point runs in a fresh interpreter of its own, so the kernel's RSS high-water mark (CPU) and
-the CUDA context and caches (GPU) belong to that point alone, as they do in a train stage. Not
-forked from a process that has imported torch: that saves 3-4 s of imports a point, but a forked
-child's RSS leaves out the library pages its parent faulted in, and the fit's fixed part came out
-~290 MiB low (529 against 817 MiB, measured), an under-estimate of every training peak.
-
-    echo "$PARAMS_JSON" | python -m gradaccum.sweep --point 256   # one point; prints its row as JSON
+Each point (gradaccum/sweep_point.py) runs in a fresh interpreter of its own, so the kernel's RSS
+high-water mark (CPU) and the CUDA context and caches (GPU) belong to that point alone, as they do
+in a train stage. Not forked from a process that has imported torch: that saves 3-4 s of imports a
+point, but a forked child's RSS leaves out the library pages its parent faulted in, and the fit's
+fixed part came out ~290 MiB low (529 against 817 MiB, measured), an under-estimate of every
+training peak. This side imports neither torch nor timm: the sweep stage itself starts in a second.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 import psutil
-import torch
 
 from gradaccum import params, planner
-from gradaccum.accumulation import schedule
-from gradaccum.loop import amp_dtype, make_optimizer, make_scaler, train_epoch
-from gradaccum.memory import MIB, peak_rss_mib
-from gradaccum.models import build_model
+from gradaccum.memory import MIB
 
 POINT_COLUMNS = (
     "micro_batch",
@@ -41,51 +34,13 @@ POINT_COLUMNS = (
     "cuda_context_mib",
     "error",
 )
-IMAGE_SIZE = 28  # MNIST and Fashion-MNIST alike; memory does not depend on pixel values
-
-
-def measure_point(p: params.Params, device: torch.device, micro: int, checkpointing: bool = False) -> dict[str, Any]:
-    """A few optimizer steps of the real training loop at one micro-batch size (GroupNorm, accum 1)."""
-    steps = p.memory.sweep_steps
-    model = build_model(**p.model.model_dump(), norm="group", seed=p.seed, checkpointing=checkpointing, device=device)
-    dtype = amp_dtype(device, p.train)
-    opt, scaler = make_optimizer(model, lr=1e-4), make_scaler(device, dtype)
-    n = micro * steps
-    images = torch.randint(0, 256, (n, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8, device=device)
-    labels = torch.randint(0, p.model.num_classes, (n,), device=device)
-    row: dict[str, Any] = dict.fromkeys(POINT_COLUMNS)
-    row.update(micro_batch=micro, checkpointing=checkpointing, fit=True)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    try:
-        start = time.perf_counter()
-        train_epoch(model, opt, scaler, images, labels, torch.arange(n, device=device), schedule(n, micro, 1), dtype)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        row["seconds"] = round(time.perf_counter() - start, 2)  # the first step's warm-up included
-        row["images_per_s"] = round(n / row["seconds"], 1)
-    except torch.OutOfMemoryError as err:
-        row.update(fit=False, error=str(err).splitlines()[0][:200])
-    row["rss_peak_mib"] = round(peak_rss_mib(), 1)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info()
-        reserved = torch.cuda.memory_reserved()
-        row.update(
-            torch_max_allocated_mib=round(torch.cuda.max_memory_allocated() / MIB, 1),
-            torch_max_reserved_mib=round(torch.cuda.max_memory_reserved() / MIB, 1),
-            cuda_context_mib=round((total - free - reserved) / MIB, 1),
-        )  # what nvidia-smi adds on top
-        row["peak_mib"] = round(row["torch_max_reserved_mib"] + row["cuda_context_mib"], 1)
-    else:
-        row["peak_mib"] = row["rss_peak_mib"]
-    return row
 
 
 class SweepError(RuntimeError):
     """A sweep point failed for a reason other than memory: the stage stops with it."""
 
 
-POINT_COMMAND = (sys.executable, "-m", "gradaccum.sweep")  # reads the params as JSON on stdin, prints the row
+POINT_COMMAND = (sys.executable, "-m", "gradaccum.sweep_point")  # reads the params as JSON on stdin, prints the row
 
 
 def run_point(
@@ -170,13 +125,3 @@ def sweep(p: params.Params, hw: dict[str, Any], log: Any = print) -> dict[str, A
         "auto_accum": planner.smallest_accum(fits["accumulation"], usable, scale.batch),  # no checkpointing: faster
         "auto_accum_checkpointing": planner.smallest_accum(fits["checkpointing"], usable, scale.batch),
     }
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="measure one micro-batch size of the sweep and print its JSON")
-    parser.add_argument("--point", type=int, required=True, help="the micro-batch size")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
-    args = parser.parse_args()
-    p = params.Params.model_validate_json(sys.stdin.read())  # validated by the parent already
-    print(json.dumps(measure_point(p, torch.device(args.device), args.point, args.checkpointing)))

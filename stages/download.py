@@ -10,7 +10,7 @@ from stages.paths import DATASET, PROVENANCE, RAW_DIR
 
 
 def main() -> None:
-    p = params.load()
+    p = params.load(model_names=False)  # builds no model: no timm import to check model.name
     data = p.data
     arrays, provenance = mnist.prepare(data.dataset, data.source, data.fallback, RAW_DIR / data.dataset)
     provenance["counts"] = {"train": int(len(arrays["train_y"])), "test": int(len(arrays["test_y"]))}

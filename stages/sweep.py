@@ -15,7 +15,7 @@ from stages.paths import HARDWARE, SWEEP_PLAN, SWEEP_POINTS
 
 
 def main() -> None:
-    p = params.load()
+    p = params.load(model_names=False)  # no timm here: each sweep point checks model.name as it builds it
     plan = sweep(p, read_json(HARDWARE), log=lambda line: print(line, flush=True))
     write_table(SWEEP_POINTS, plan["points"], POINT_COLUMNS)
     write_json(SWEEP_PLAN, plan | {"stage_seconds": process_seconds()})

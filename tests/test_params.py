@@ -94,6 +94,15 @@ def test_unknown_model_lists_close_matches() -> None:
     assert "close matches:" in msg and "efficientnet_b" in msg.split("close matches:")[1]
 
 
+def test_stages_that_build_no_model_skip_the_timm_check() -> None:
+    """Stages that build no model load params without importing timm; hardware, first in every run, checks it."""
+    values = with_change("model.name", "efficientnet_b9")
+    assert params.check(values, model_names=False).model.name == "efficientnet_b9"
+    for stage in ("download", "report", "sweep"):  # the sweep's points check it as they build the model
+        assert "params.load(model_names=False)" in (ROOT / f"stages/{stage}.py").read_text()
+    assert "params.load()" in (ROOT / "stages/hardware.py").read_text()
+
+
 def test_unknown_key_names_the_nearest() -> None:
     p = copy.deepcopy(DEFAULTS)
     p["acum"] = 8
