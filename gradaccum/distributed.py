@@ -9,6 +9,7 @@ so the single-device path is the plain loop.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -25,9 +26,23 @@ def launched() -> bool:
 
 
 def relaunch(nproc: int, module: str, args: list[str]) -> int:
-    """Run `python -m module args` in `nproc` processes under torchrun; a failing rank fails them all."""
+    """Run `python -m module args` in `nproc` processes under torchrun; a failing rank fails them all.
+
+    On Ctrl-C, torchrun is given the time to stop its ranks (SIGTERM, then up to 30 s): they run in
+    sessions of their own, so the terminal's SIGINT never reaches them, and subprocess.run's kill of
+    torchrun 0.25 s after the signal would leave them running.
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.run([*cmd, "-m", module, *args], check=False).returncode
+    proc = subprocess.Popen([*cmd, "-m", module, *args])
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
 
 
 def setup(device_type: str) -> tuple[int, int, torch.device]:

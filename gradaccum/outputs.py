@@ -14,18 +14,30 @@ from typing import Any
 
 @contextlib.contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
-    """Yield a temp path in the target's folder; on success rename it to path, on error remove it."""
+    """Yield a temp path in the target's folder; on success rename it to path, on error remove it.
+
+    The file gets the mode a plain open() would give (0666 less the umask), not mkstemp's 0600,
+    so a report written in a container or on a shared machine can be read by others.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def current_umask() -> int:
+    """The process's umask; reading it means setting it, so it is set straight back."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_text(path: Path | str, text: str) -> None:

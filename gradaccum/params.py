@@ -48,7 +48,8 @@ PositiveNumber = Annotated[float, _allowed("a positive number (above 0)", gt=0)]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan: .inf passes "greater than 0", then training turns NaN or the planner overflows
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Data(Section):
@@ -62,7 +63,16 @@ class Scale(Section):
     test_samples: PositiveInt
     batch: PositiveInt = _allowed("a positive integer (1 or more): samples per optimizer step", ge=1)
     epochs: PositiveInt
-    sweep_micro_batches: list[PositiveInt] = _allowed("a non-empty list of positive integers", min_length=1)
+    sweep_micro_batches: list[PositiveInt] = _allowed(
+        "a list of two or more positive integers, increasing (the planner fits a line through them)", min_length=2
+    )
+
+    @field_validator("sweep_micro_batches")
+    @classmethod
+    def increasing(cls, value: list[int]) -> list[int]:
+        if any(b <= a for a, b in zip(value, value[1:], strict=False)):
+            raise ValueError("expected sizes in increasing order, each once (the card table interpolates between them)")
+        return value
 
 
 class Scales(Section):
@@ -72,8 +82,9 @@ class Scales(Section):
 
 class Model(Section):
     name: str = _allowed("a timm model name")
-    in_chans: PositiveInt
-    num_classes: PositiveInt
+    # MNIST and Fashion-MNIST alike: 28x28 images of one channel, ten classes
+    in_chans: int = _allowed("1: the data's images have one channel", ge=1, le=1)
+    num_classes: int = _allowed("an integer 10 or more: the data has ten classes", ge=10)
     group_norm_groups: PositiveInt
 
     @field_validator("name")
@@ -153,14 +164,14 @@ class Variant(Section):
         return value
 
 
-VariantName = Annotated[str, Field(pattern=r"^\w+$")]
+VariantName = Annotated[str, Field(pattern=r"^\w{1,64}$")]  # a folder and file name: reports/variants/<name>/
 
 
 class Params(Section):
     """Every knob of the study; see the comments in params.yaml."""
 
     accum: int | Literal["auto"] = _allowed("an integer from 1 to the effective batch size, or auto")
-    seed: int = _allowed("an integer 0 or more", ge=0)
+    seed: int = _allowed("an integer from 0 to 2**32 - 1 (what torch and numpy both take)", ge=0, lt=2**32)
     scale: Literal["auto", "study", "cpu"] = _allowed("one of auto, study, cpu")
     data: Data
     scales: Scales
@@ -234,7 +245,9 @@ def _message(error: dict[str, Any]) -> str:
     if kind == "value_error":
         allowed = error["msg"].removeprefix("Value error, ")
     elif kind == "string_pattern_mismatch":
-        allowed = "variant names are letters, digits and _"
+        allowed = "variant names are 1 to 64 letters, digits and _ (each becomes a folder and file name)"
+    elif kind == "finite_number":
+        allowed = "expected a finite number, not .inf or .nan"
     else:
         tp, text = _walk(loc)
         if isinstance(tp, type) and issubclass(tp, BaseModel):
@@ -350,6 +363,11 @@ def variant_accum_steps(p: Params, variant: str, resolved_accum: int | None = No
 
 def set_values(p: dict[str, Any], assignments: list[str]) -> Params:
     """`key.sub=value` assignments on plain values, read as YAML (like `dvc exp run -S`); unknown keys rejected."""
+    return check(assign(p, assignments))
+
+
+def assign(p: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """The edits of `set_values`, in place and unchecked: on plain values, or on ruamel's commented ones."""
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         if not sep:
@@ -364,11 +382,12 @@ def set_values(p: dict[str, Any], assignments: list[str]) -> Params:
             close = difflib.get_close_matches(last, list(node), n=1, cutoff=0.0)
             raise ParamsError(f"{key!r}: unknown key; did you mean {'.'.join([*parents, *close])!r}?")
         node[last] = yaml.safe_load(raw)
-    return check(p)
+    return p
 
 
 if __name__ == "__main__":
     import argparse
+    import io
     import sys
 
     from gradaccum.outputs import write_text
@@ -381,11 +400,20 @@ if __name__ == "__main__":
     if args.schema:
         write_text(SCHEMA_FILE, json_schema())
         sys.exit(f"{SCHEMA_FILE}: written")
+    from ruamel.yaml import YAML  # DVC's own YAML library: a round trip keeps the file's comments and order
+
     try:
-        values = read(args.file)
-        set_values(values, args.set)
+        text = args.file.read_text() if args.set else ""
+        if args.set:
+            rt = YAML()
+            rt.preserve_quotes, rt.width = True, 4096  # quotes as written; no line wrapped
+            doc = rt.load(text)
+            out = io.StringIO()
+            rt.dump(assign(doc, args.set), out)
+            text = out.getvalue()
+        check(yaml.safe_load(text) if args.set else read(args.file))  # what is written is what was checked
     except ParamsError as err:
         sys.exit(f"error: {err}")
     if args.set:
-        write_text(args.file, yaml.safe_dump(values, sort_keys=False))
+        write_text(args.file, text)
     print(f"{args.file}: valid")

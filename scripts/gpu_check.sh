@@ -24,6 +24,10 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
 mkdir -p "$out"
 out=$(realpath "$out")
+if [ "$out" = "$repo" ]; then  # the end replaces OUT/reports: here, the checkout's own (its reference runs too)
+  echo "error: OUT is this checkout; its reports/ would be replaced. Pick another folder, e.g. /tmp/gpu-check" >&2
+  exit 2
+fi
 work="$out/work"
 rm -rf "$work" && mkdir -p "$work"
 cp -r "$repo/gradaccum" "$repo/stages" "$repo/params.yaml" "$work/"

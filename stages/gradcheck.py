@@ -32,5 +32,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except params.ParamsError as err:
+    except (params.ParamsError, mnist.DataError) as err:
         sys.exit(f"error: {err}")

@@ -25,16 +25,17 @@ from stages.paths import DATASET, HARDWARE, PROVENANCE, SWEEP_PLAN, variant_dir,
 def main(variant: str, memory_snapshot: Path | None = None) -> None:
     p = params.load()
     if variant not in p.variants:
-        raise params.ParamsError(f"variant {variant!r} is not in params.yaml variants: {', '.join(p['variants'])}")
+        raise params.ParamsError(f"variant {variant!r} is not in params.yaml variants: {', '.join(p.variants)}")
     hw = read_json(HARDWARE)
     plan = read_json(SWEEP_PLAN) if SWEEP_PLAN.exists() else None
     variant_accum(p, variant, plan, hw["scale"])  # a bad accum stops here, before torchrun starts anything
     params.check_distributed(p, hw)
+    scale = p.scale_settings(hw["scale"])
+    mnist.check_batch(DATASET, scale.batch, f"scales.{hw['scale']}.batch", scale.train_samples)
     nproc = p.distributed.nproc_per_node
     if nproc > 1 and not distributed.launched():  # one process per device, started by torchrun
         sys.exit(distributed.relaunch(nproc, "stages.train", sys.argv[1:]))
     rank, world, device = distributed.setup(hw["device"])
-    scale = p.scale_settings(hw["scale"])
     data = mnist.load_tensors(DATASET, device, scale.train_samples, scale.test_samples)
     run = run_variant(p, variant, hw, data, plan, rank, world, memory_snapshot)
     distributed.teardown()
@@ -69,5 +70,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     try:
         main(args.variant, args.memory_snapshot)
-    except params.ParamsError as err:
+    except (params.ParamsError, mnist.DataError) as err:
         sys.exit(f"error: {err}")

@@ -117,3 +117,28 @@ def test_hardware_stage_refuses_syncbatchnorm_on_the_cpu_before_any_work(workdir
     with pytest.raises(params.ParamsError, match="distributed.sync_batchnorm = True is not allowed; SyncBatchNorm"):
         hardware.main()
     assert not (workdir / "data/hardware.json").exists()
+
+
+def test_ctrl_c_while_relaunched_under_torchrun_leaves_no_rank(tmp_path: Path) -> None:
+    """The train stage re-launches itself under torchrun; Ctrl-C there must stop the ranks too."""
+    import signal
+    import time
+
+    (tmp_path / "sleeper.py").write_text(
+        "import os, pathlib, time\n"
+        "pathlib.Path(os.environ['OUT'], os.environ['RANK']).write_text(str(os.getpid()))\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "from gradaccum import distributed; distributed.relaunch(2, 'sleeper', [])"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "OUT": str(tmp_path)},
+    )
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / r).exists() for r in ("0", "1")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ranks = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+    parent.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
+    parent.wait(timeout=60)
+    time.sleep(1)
+    assert [pid for pid in ranks if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"] == []

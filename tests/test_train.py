@@ -117,8 +117,8 @@ def stage_inputs(root: Path) -> None:
     """The files a train stage reads, at a tiny size, in a temp working folder."""
     rng = np.random.default_rng(0)
     arrays = {
-        "train_x": rng.integers(0, 256, (64, 28, 28), dtype=np.uint8),
-        "train_y": rng.integers(0, 10, 64).astype(np.uint8),
+        "train_x": rng.integers(0, 256, (CPU_BATCH, 28, 28), dtype=np.uint8),  # one full batch
+        "train_y": rng.integers(0, 10, CPU_BATCH).astype(np.uint8),
         "test_x": rng.integers(0, 256, (32, 28, 28), dtype=np.uint8),
         "test_y": rng.integers(0, 10, 32).astype(np.uint8),
     }
@@ -174,6 +174,60 @@ def test_bfloat16_is_not_run_on_a_cpu_that_emulates_it(
         assert trained == [torch.bfloat16]
     train_stage.main("groupnorm")  # float32 never skipped
     assert trained[-1] is None
+
+
+def test_a_batch_larger_than_the_data_stops_before_training(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The study's batch on the 4,000 fallback digits: accumulation would never accumulate, silently."""
+    stage_inputs(workdir)
+    (workdir / "params.yaml").write_text(
+        (workdir / "params.yaml").read_text().replace(f"    batch: {CPU_BATCH}\n", f"    batch: {CPU_BATCH * 2}\n")
+    )
+    monkeypatch.setattr(experiment, "train", lambda *a, **k: pytest.fail("must not train"))
+    with pytest.raises(
+        mnist.DataError, match=rf"scales.cpu.batch = {CPU_BATCH * 2} is not allowed; .*holds {CPU_BATCH}"
+    ):
+        train_stage.main("accumulation")
+    assert not (workdir / "reports/variants/accumulation").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not a zip", "missing"])
+def test_a_damaged_dataset_says_how_to_rebuild_it(workdir: Path, damage: str) -> None:
+    stage_inputs(workdir)
+    path = workdir / "data/dataset.npz"
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif damage == "not a zip":
+        path.write_bytes(b"<html>proxy error</html>")
+    else:
+        path.unlink()
+    with pytest.raises(mnist.DataError, match=r"data/dataset.npz: cannot be read .*dvc repro -f download"):
+        train_stage.main("baseline")
+
+
+def test_accum_auto_says_what_is_missing(workdir: Path) -> None:
+    stage_inputs(workdir)
+    (workdir / "params.yaml").write_text((workdir / "params.yaml").read_text().replace("\naccum: 4 ", "\naccum: auto "))
+    with pytest.raises(
+        params.ParamsError, match=r"reports/sweep/planner.json, which is missing: run `dvc repro sweep`"
+    ):
+        train_stage.main("accumulation")
+    machine = {"memory_mib": 1000, "what": "host memory", "safety_margin": 0.1}
+    fit = {"fixed_mib": 950.0, "per_sample_mib": 1.0}
+    plan = {
+        "fit": fit,
+        "fit_checkpointing": fit,
+        "this_machine": machine,
+        "auto_accum": None,
+        "auto_accum_checkpointing": None,
+    }
+    write_json(workdir / "reports/sweep/planner.json", plan)
+    with pytest.raises(
+        params.ParamsError,
+        match=r"finds nothing that fits \(accumulation\): .* 951 MiB even at micro-batch 1, over the usable 900 MiB",
+    ):
+        train_stage.main("accumulation")
+    with pytest.raises(params.ParamsError, match=r"nothing that fits \(checkpointing\)"):
+        train_stage.main("accum_checkpointing")
 
 
 def test_accum_auto_resolves_from_the_planner(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
