@@ -17,7 +17,7 @@ import torch
 from gradaccum import distributed, params, planner
 from gradaccum.accumulation import micro_batch_size
 from gradaccum.loop import amp_dtype, train
-from gradaccum.memory import FirstStepSnapshot, MemorySampler
+from gradaccum.memory import MIB, FirstStepSnapshot, MemorySampler, is_out_of_memory, peak_rss_mib
 from gradaccum.models import build_model, count_parameters
 from gradaccum.params import Params, Scale, Variant
 from gradaccum.records import DidNotFit, MemoryPeaks, VariantRecord
@@ -65,7 +65,7 @@ def emulation_check(p: Params, hw: dict[str, Any], dtype: torch.dtype | None) ->
 
 def oom_record(err: BaseException, device: torch.device) -> DidNotFit:
     total = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else 0
-    used = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
+    used = torch.cuda.max_memory_reserved() if device.type == "cuda" else peak_rss_mib() * MIB
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return DidNotFit(
@@ -124,6 +124,7 @@ class VariantRun:
     epochs: list[dict[str, Any]]
     sampler: MemorySampler
     weights: dict[str, torch.Tensor]
+    alone: bool = False  # this rank ran out of memory while the others wait in a collective: it writes the record
 
 
 def run_variant(
@@ -150,7 +151,7 @@ def run_variant(
     if rank == 0:
         print(headline(variant, v, accum, micro, world, scale.batch, hw, dtype), flush=True)
     failure, not_run = plan_check(p, device, micro, plan, world), emulation_check(p, hw, dtype)
-    rows, failure, sampler = measured_training(
+    rows, failure, sampler, alone = measured_training(
         model, data, p, variant, scale, accum, micro, dtype, failure, rank, world, memory_snapshot, run=not not_run
     )
     record = VariantRecord(
@@ -181,10 +182,10 @@ def run_variant(
         optimizer_steps=sum(r["optimizer_steps"] for r in rows),
         skipped_steps=sum(r["skipped_steps"] for r in rows),
         train_seconds=sum(r["seconds"] for r in rows),
-        memory=peak_memory(sampler, device, world),
+        memory=peak_memory(sampler, device, 1 if alone else world),  # alone: no collective can complete
     )
     weights = distributed.unwrap(model).state_dict() if record.fit else {}
-    return VariantRun(record, rows, sampler, weights)
+    return VariantRun(record, rows, sampler, weights, alone)
 
 
 def measured_training(
@@ -201,13 +202,15 @@ def measured_training(
     world: int,
     memory_snapshot: Path | None,
     run: bool = True,
-) -> tuple[list[dict[str, Any]], DidNotFit | None, MemorySampler]:
+) -> tuple[list[dict[str, Any]], DidNotFit | None, MemorySampler, bool]:
     """The loop inside the memory sampler (and PyTorch's memory history, if asked); out of memory is a result.
 
-    Nothing trains when `failure` is set already or `run` is false.
+    Nothing trains when `failure` is set already or `run` is false. The last value is true when this rank ran
+    out of memory in a run of several: the others wait for it in an all-reduce that will never complete.
     """
     v, device = p.variants[variant], data["train_x"].device
     rows: list[dict[str, Any]] = []
+    alone = False
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     wanted = memory_snapshot and device.type == "cuda" and rank == 0
@@ -232,11 +235,11 @@ def measured_training(
                     rank=rank,
                     world=world,
                 )
-            except torch.OutOfMemoryError as err:  # a result, not a crash: the tutorial's baseline on a small card
-                if world > 1:
-                    raise  # the other ranks wait in an all-reduce: fail them all (torchrun does) rather than hang
-                failure = oom_record(err, device)
-    return rows, failure, sampler
+            except Exception as err:  # out of memory is a result, not a crash: the tutorial's baseline on a small card
+                if not is_out_of_memory(err):
+                    raise
+                failure, alone = oom_record(err, device), world > 1
+    return rows, failure, sampler, alone
 
 
 def peak_memory(sampler: MemorySampler, device: torch.device, world: int) -> MemoryPeaks:
@@ -247,9 +250,9 @@ def peak_memory(sampler: MemorySampler, device: torch.device, world: int) -> Mem
             torch_max_allocated_mib=torch.cuda.max_memory_allocated(device) / 2**20,
             torch_max_reserved_mib=torch.cuda.max_memory_reserved(device) / 2**20,
         )
-    per_rank = distributed.gather(memory)
     if world == 1:
         return MemoryPeaks(**memory)
+    per_rank = distributed.gather(memory)
     largest = {
         k: max(m[k] for m in per_rank) if k.endswith("_mib") and memory[k] is not None else memory[k] for k in memory
     }

@@ -86,6 +86,15 @@ def run_nvidia_smi(args: list[str], timeout: float = 10.0) -> str:
     return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=timeout, check=True).stdout
 
 
+def is_out_of_memory(err: BaseException) -> bool:
+    """PyTorch's OutOfMemoryError (GPU), or the CPU allocator's failed malloc, which PyTorch raises as a plain
+    RuntimeError: both mean the step did not fit, which is a result, where any other error is a bug."""
+    if isinstance(err, MemoryError):
+        return True
+    cls = type(err).__name__
+    return cls == "OutOfMemoryError" or (isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
+
+
 def peak_rss_mib() -> float:
     """The kernel's high-water mark of this process's resident memory (VmHWM).
 

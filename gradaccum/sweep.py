@@ -48,9 +48,9 @@ def run_point(
 ) -> dict[str, Any]:
     """measure_point in a fresh interpreter, whose last line of output is the row as JSON.
 
-    Out of memory is a row that did not fit: PyTorch's OutOfMemoryError inside the point (GPU), or the
-    kernel's out-of-memory killer ending it with SIGKILL (CPU). Any other failure, and a point still
-    running after memory.sweep_timeout_s, raises SweepError with what the point printed last.
+    Out of memory is a row that did not fit: PyTorch's OutOfMemoryError inside the point (GPU), a failed
+    allocation (CPU), or the kernel's out-of-memory killer ending it with SIGKILL (CPU). Any other failure,
+    and a point still running after memory.sweep_timeout_s, raises SweepError with what the point printed last.
     """
     args = [*command, "--point", str(micro), "--device", device] + (["--checkpointing"] if checkpointing else [])
     what = f"sweep point micro-batch {micro}{' (checkpointing)' if checkpointing else ''}"

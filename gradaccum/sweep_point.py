@@ -16,7 +16,7 @@ import torch
 from gradaccum import params
 from gradaccum.accumulation import schedule
 from gradaccum.loop import amp_dtype, make_optimizer, make_scaler, train_epoch
-from gradaccum.memory import MIB, peak_rss_mib
+from gradaccum.memory import MIB, is_out_of_memory, peak_rss_mib
 from gradaccum.models import build_model
 from gradaccum.sweep import POINT_COLUMNS
 
@@ -43,7 +43,9 @@ def measure_point(p: params.Params, device: torch.device, micro: int, checkpoint
             torch.cuda.synchronize()
         row["seconds"] = round(time.perf_counter() - start, 2)  # the first step's warm-up included
         row["images_per_s"] = round(n / row["seconds"], 1)
-    except torch.OutOfMemoryError as err:
+    except Exception as err:
+        if not is_out_of_memory(err):
+            raise
         row.update(fit=False, error=str(err).splitlines()[0][:200])
     row["rss_peak_mib"] = round(peak_rss_mib(), 1)
     if device.type == "cuda":

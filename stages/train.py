@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from gradaccum import distributed, mnist, params
-from gradaccum.experiment import run_variant, variant_accum
+from gradaccum.experiment import VariantRun, run_variant, variant_accum
 from gradaccum.loop import EPOCH_COLUMNS
 from gradaccum.machine import process_seconds
 from gradaccum.memory import TIMELINE_COLUMNS
@@ -34,13 +34,35 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
     mnist.check_batch(DATASET, scale.batch, f"scales.{hw['scale']}.batch", scale.train_samples)
     nproc = p.distributed.nproc_per_node
     if nproc > 1 and not distributed.launched():  # one process per device, started by torchrun
-        sys.exit(distributed.relaunch(nproc, "stages.train", sys.argv[1:]))
+        sys.exit(relaunched(variant, nproc))
     rank, world, device = distributed.setup(hw["device"])
     data = mnist.load_tensors(DATASET, device, scale.train_samples, scale.test_samples)
     run = run_variant(p, variant, hw, data, plan, rank, world, memory_snapshot)
+    if run.alone:  # out of memory here while the other ranks wait: record it, then fail so torchrun stops them
+        write_outputs(variant, run)
+        sys.exit(f"train@{variant}: rank {rank} {run.record.why_not()}")
     distributed.teardown()
-    if rank != 0:
-        return  # rank 0 writes the outputs
+    if rank == 0:  # rank 0 writes the outputs
+        write_outputs(variant, run)
+
+
+def relaunched(variant: str, nproc: int) -> int:
+    """This stage in `nproc` processes under torchrun; its exit status, 0 when a rank recorded out of memory.
+
+    One rank out of memory ends the run (the others would wait for it forever), so torchrun fails; the
+    metrics that rank wrote, fresh since the old ones were removed here, tell that result from a crash.
+    """
+    metrics = variant_dir(variant) / "metrics.json"
+    metrics.unlink(missing_ok=True)
+    code = distributed.relaunch(nproc, "stages.train", sys.argv[1:])
+    if code != 0 and metrics.exists() and read_json(metrics)["did_not_fit"]:
+        print(f"train@{variant}: did not fit ({read_json(metrics)['did_not_fit']['reason']}); recorded as a result")
+        return 0
+    return code
+
+
+def write_outputs(variant: str, run: VariantRun) -> None:
+    """Metrics last: their presence says that the rest is there."""
     sampler = run.sampler
     record = run.record.model_copy(
         update={"dataset": read_json(PROVENANCE)["kind"], "stage_seconds": process_seconds()}

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -142,3 +143,51 @@ def test_ctrl_c_while_relaunched_under_torchrun_leaves_no_rank(tmp_path: Path) -
     parent.wait(timeout=60)
     time.sleep(1)
     assert [pid for pid in ranks if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"] == []
+
+
+def test_out_of_memory_in_one_rank_of_two_is_a_result(workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank 1 of the real train stage under torchrun fails a real allocation (its data capped by setrlimit):
+    the stage records "did not fit" and succeeds, like one process out of memory, and no rank is left."""
+    from gradaccum import mnist
+    from gradaccum.outputs import write_json
+
+    n = 2048  # 1024 images a rank: ~2 GB of activations, over rank 1's cap of 1.25 GiB (0.9 GiB after imports)
+    rng = np.random.default_rng(0)
+    arrays = {"train_x": rng.integers(0, 256, (n, 28, 28), dtype=np.uint8), "train_y": np.arange(n) % 10}
+    arrays |= {"test_x": arrays["train_x"][:32], "test_y": arrays["train_y"][:32]}
+    mnist.save({k: v.astype(np.uint8) for k, v in arrays.items()}, workdir / "data/dataset.npz")
+    write_json(workdir / "data/provenance.json", {"kind": "fallback"})
+    write_json(workdir / "data/hardware.json", {"device": "cpu", "scale": "cpu"})
+    text = (workdir / "params.yaml").read_text().replace("nproc_per_node: 1 ", "nproc_per_node: 2 ")
+    text = text.replace("train_samples: 4000", f"train_samples: {n}").replace("batch: 256", f"batch: {n}")
+    (workdir / "params.yaml").write_text(text)
+    hooks = tmp_path_factory.mktemp("hooks")  # Python imports sitecustomize at start-up, in every rank
+    (hooks / "sitecustomize.py").write_text(
+        "import os, resource\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    resource.setrlimit(resource.RLIMIT_DATA, (1280 * 2**20, 1280 * 2**20))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "stages.train", "baseline"],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    metrics = json.loads((workdir / "reports/variants/baseline/metrics.json").read_text())
+    assert (
+        metrics["fit"] is False and metrics["world_size"] == 2 and metrics["did_not_fit"]["memory_at_failure_mib"] > 0
+    )
+    assert (
+        "out of memory: " in metrics["did_not_fit"]["reason"]
+        and "can't allocate memory" in metrics["did_not_fit"]["reason"]
+    )
+    assert "recorded as a result" in result.stdout
+    leftovers = [
+        p for p in psutil.process_iter(["cmdline", "cwd"]) if "stages.train" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert leftovers == []

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from gradaccum import memory
-from gradaccum.memory import APP_FIELDS, GPU_FIELDS, MemorySampler, parse_csv
+from gradaccum.memory import APP_FIELDS, GPU_FIELDS, MemorySampler, is_out_of_memory, parse_csv
 
 # As nvidia-smi prints them (driver 5xx): units in the header and the values, "[N/A]" under MIG or
 # WDDM, "[Not Supported]" where a board has no such counter, a header alone when no process runs.
@@ -261,3 +261,17 @@ def test_first_step_snapshot_stops_recording_when_no_step_ran(tmp_path: Path) ->
         ):
             raise RuntimeError("out of memory before the first step")
     assert events == ["start", "stop"] and not (tmp_path / "s.pickle").exists()
+
+
+def test_a_failed_allocation_is_out_of_memory_and_other_errors_are_not() -> None:
+    """On the CPU PyTorch raises a failed malloc as a plain RuntimeError; it must count as out of memory."""
+    import torch
+
+    with pytest.raises(RuntimeError) as cpu:
+        torch.empty(2**50, dtype=torch.uint8)  # a petabyte: the kernel refuses it
+    assert is_out_of_memory(cpu.value)
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB"))
+    with pytest.raises(RuntimeError) as shapes:
+        torch.ones(2, 3) @ torch.ones(2, 3)
+    assert not is_out_of_memory(shapes.value)
+    assert not is_out_of_memory(ValueError("can't allocate memory"))
