@@ -53,7 +53,12 @@ def breakdown(clone: Path, walls: dict[str, float], total: float) -> dict[str, A
     """Per stage: DVC's wall time, the process's own, the computation; and the overhead against the goal."""
     reports = clone / "reports"
     records = {p.parent.name: VariantRecord.read(p) for p in sorted(reports.glob("variants/*/metrics.json"))}
-    timed = stage_times(records, read_json(reports / "sweep/planner.json"), read_json(reports / "gradcheck.json"))
+    timed = stage_times(
+        records,
+        read_json(reports / "sweep/planner.json"),
+        read_json(reports / "gradcheck.json"),
+        read_json(reports / "speed.json"),
+    )
     stages = {
         name: {
             "wall_s": round(wall, 1),

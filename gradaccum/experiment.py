@@ -20,7 +20,7 @@ from gradaccum.loop import amp_dtype, train
 from gradaccum.memory import MIB, FirstStepSnapshot, MemorySampler, is_out_of_memory, peak_rss_mib
 from gradaccum.models import build_model, count_parameters
 from gradaccum.params import Params, Scale, Variant
-from gradaccum.records import DidNotFit, MemoryPeaks, VariantRecord
+from gradaccum.records import DidNotFit, MemoryPeaks, SeedRun, VariantRecord
 from gradaccum.tutorial import CORRECTED, kept_mistakes
 
 
@@ -143,17 +143,22 @@ def run_variant(
     accum = variant_accum(p, variant, plan, hw["scale"])
     micro = micro_batch_size(scale.batch, accum * world)  # per process
     dtype = amp_dtype(device, p.train, v.precision)
-    model = build_model(
-        **p.model.model_dump(), norm=v.norm, seed=p.seed, swap=v.swap, checkpointing=v.checkpointing, device=device
-    )
     sync_bn = p.distributed.sync_batchnorm and v.norm == "batch"
-    model = distributed.wrap(model, device, sync_bn)
+    model = variant_model(p, variant, p.seed, device, sync_bn)
     if rank == 0:
         print(headline(variant, v, accum, micro, world, scale.batch, hw, dtype), flush=True)
     failure, not_run = plan_check(p, device, micro, plan, world), emulation_check(p, hw, dtype)
     rows, failure, sampler, alone = measured_training(
-        model, data, p, variant, scale, accum, micro, dtype, failure, rank, world, memory_snapshot, run=not not_run
+        model, data, p, variant, scale, accum, dtype, failure, rank, world, memory_snapshot, run=not not_run
     )
+    memory = peak_memory(sampler, device, 1 if alone else world)  # alone: no collective can complete
+    seeds = []
+    if rows:  # the first seed's end point, then each further seed's run: the yardstick for every difference
+        seeds = [SeedRun(seed=p.seed, final_train_loss=rows[-1]["train_loss"], test_accuracy=rows[-1]["test_accuracy"])]
+        for seed in range(p.seed + 1, p.seed + p.seeds):
+            again = variant_model(p, variant, seed, device, sync_bn)
+            end = train_variant(again, data, p, variant, scale, accum, dtype, seed, rank, world)[-1]
+            seeds.append(SeedRun(seed=seed, final_train_loss=end["train_loss"], test_accuracy=end["test_accuracy"]))
     record = VariantRecord(
         variant=variant,
         norm=v.norm,
@@ -181,11 +186,54 @@ def run_variant(
         images_per_second=float(np.median([r["images_per_second"] for r in rows])) if rows else None,
         optimizer_steps=sum(r["optimizer_steps"] for r in rows),
         skipped_steps=sum(r["skipped_steps"] for r in rows),
+        seeds=seeds,
         train_seconds=sum(r["seconds"] for r in rows),
-        memory=peak_memory(sampler, device, 1 if alone else world),  # alone: no collective can complete
+        memory=memory,
     )
     weights = distributed.unwrap(model).state_dict() if record.fit else {}
     return VariantRun(record, rows, sampler, weights, alone)
+
+
+def variant_model(p: Params, variant: str, seed: int, device: torch.device, sync_bn: bool) -> torch.nn.Module:
+    """The variant's model, initialised from `seed`, DDP-wrapped under torchrun."""
+    v = p.variants[variant]
+    model = build_model(
+        **p.model.model_dump(), norm=v.norm, seed=seed, swap=v.swap, checkpointing=v.checkpointing, device=device
+    )
+    return distributed.wrap(model, device, sync_bn)
+
+
+def train_variant(
+    model: torch.nn.Module,
+    data: dict[str, torch.Tensor],
+    p: Params,
+    variant: str,
+    scale: Scale,
+    accum: int,
+    dtype: torch.dtype | None,
+    seed: int,
+    rank: int,
+    world: int,
+) -> list[dict[str, Any]]:
+    """The loop with the variant's settings; `seed` orders the data (the model's own seed set its weights)."""
+    v = p.variants[variant]
+    return train(
+        model,
+        data,
+        lr=v.lr,
+        weight_decay=p.train.weight_decay,
+        batch=scale.batch,
+        accum=accum,
+        epochs=scale.epochs,
+        seed=seed,
+        dtype=dtype,
+        eval_batch=min(p.train.eval_batch, micro_batch_size(scale.batch, accum * world)),  # fits as training does
+        weighting=v.weighting,
+        epoch_end_step=v.epoch_end_step,
+        progress=rank == 0,
+        rank=rank,
+        world=world,
+    )
 
 
 def measured_training(
@@ -195,7 +243,6 @@ def measured_training(
     variant: str,
     scale: Scale,
     accum: int,
-    micro: int,
     dtype: torch.dtype | None,
     failure: DidNotFit | None,
     rank: int,
@@ -208,7 +255,7 @@ def measured_training(
     Nothing trains when `failure` is set already or `run` is false. The last value is true when this rank ran
     out of memory in a run of several: the others wait for it in an all-reduce that will never complete.
     """
-    v, device = p.variants[variant], data["train_x"].device
+    device = data["train_x"].device
     rows: list[dict[str, Any]] = []
     alone = False
     if device.type == "cuda":
@@ -218,23 +265,7 @@ def measured_training(
     with MemorySampler(device.type, p.memory.interval_ms, gpu_index=device.index or 0) as sampler, snapshot:
         if failure is None and run:
             try:
-                rows = train(
-                    model,
-                    data,
-                    lr=v.lr,
-                    weight_decay=p.train.weight_decay,
-                    batch=scale.batch,
-                    accum=accum,
-                    epochs=scale.epochs,
-                    seed=p.seed,
-                    dtype=dtype,
-                    eval_batch=min(p.train.eval_batch, micro),  # what fits for training fits here
-                    weighting=v.weighting,
-                    epoch_end_step=v.epoch_end_step,
-                    progress=rank == 0,
-                    rank=rank,
-                    world=world,
-                )
+                rows = train_variant(model, data, p, variant, scale, accum, dtype, p.seed, rank, world)
             except Exception as err:  # out of memory is a result, not a crash: the tutorial's baseline on a small card
                 if not is_out_of_memory(err):
                     raise

@@ -123,6 +123,11 @@ class Memory(Section):
     sweep_timeout_s: PositiveNumber
 
 
+class Speed(Section):
+    rounds: PositiveInt = _allowed("a positive integer (1 or more): timed rounds, after one warm-up round", ge=1)
+    steps: PositiveInt = _allowed("a positive integer (1 or more): optimizer steps of each variant per round", ge=1)
+
+
 class Distributed(Section):
     nproc_per_node: PositiveInt = _allowed("a positive integer (1 or more): processes, one per GPU", ge=1)
     sync_batchnorm: bool = _allowed("true (SyncBatchNorm across processes, GPU only) or false (per-process statistics)")
@@ -172,12 +177,14 @@ class Params(Section):
 
     accum: int | Literal["auto"] = _allowed("an integer from 1 to the effective batch size, or auto")
     seed: int = _allowed("an integer from 0 to 2**32 - 1 (what torch and numpy both take)", ge=0, lt=2**32)
+    seeds: int = _allowed("an integer from 1 to 100: runs per variant, with seed, seed + 1, ...", ge=1, le=100)
     scale: Literal["auto", "study", "cpu"] = _allowed("one of auto, study, cpu")
     data: Data
     scales: Scales
     model: Model
     train: Train
     memory: Memory
+    speed: Speed
     distributed: Distributed
     variants: dict[VariantName, Variant] = _allowed(
         "a mapping of variant name -> {norm, accum, lr, extra}", min_length=1
@@ -278,6 +285,8 @@ def check(values: Any, model_names: bool = True) -> Params:
             _fail(f"variants.{name}.extra", variant.extra, "expected a top-level key, one of " + ", ".join(values))
         if variant.accum == "accum" and variant.extra != "accum":
             _fail(f"variants.{name}.extra", variant.extra, "a variant with accum: accum must have extra: accum")
+    if p.seed + p.seeds > 2**32:
+        _fail("seeds", p.seeds, f"the seeds run from seed = {p.seed} up, so expected at most {2**32 - p.seed}")
     world = p.distributed.nproc_per_node
     for name in ("study", "cpu"):
         batch = p.scale_settings(name).batch

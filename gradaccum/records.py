@@ -18,6 +18,14 @@ class DidNotFit(Record):
     device_total_mib: float
 
 
+class SeedRun(Record):
+    """Where one seed's run ended: what another seed gives is the yardstick for every difference in the report."""
+
+    seed: int
+    final_train_loss: float
+    test_accuracy: float
+
+
 class MemoryPeaks(Record):
     """The sampler's peaks (nvidia-smi on a GPU, RSS everywhere) and PyTorch's own counters on a GPU."""
 
@@ -68,6 +76,7 @@ class VariantRecord(Record):
     images_per_second: float | None = None  # median over epochs, evaluation not timed
     optimizer_steps: int
     skipped_steps: int
+    seeds: list[SeedRun] = []  # every seed's end point (params `seeds`); curves, speed and memory are the first's
     train_seconds: float  # the loop's own time, evaluation not included
     stage_seconds: float | None = None  # the whole train stage's process: start-up, imports, evaluation, writing
     memory: MemoryPeaks

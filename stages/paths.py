@@ -12,6 +12,7 @@ SWEEP_PLAN = Path("reports/sweep/planner.json")
 SWEEP_POINTS = Path("reports/sweep/points.tsv")
 GRADCHECK = Path("reports/gradcheck.json")
 GRADCHECK_TSV = Path("reports/gradcheck.tsv")
+SPEED = Path("reports/speed.json")
 VARIANTS = Path("reports/variants")
 
 

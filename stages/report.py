@@ -10,7 +10,7 @@ from pathlib import Path
 from gradaccum import params
 from gradaccum.outputs import atomic_path, read_json, write_json, write_text
 from gradaccum.report import Inputs, build, load_variants, tables
-from stages.paths import GRADCHECK, HARDWARE, PROVENANCE, SWEEP_PLAN, VARIANTS, variant_dir
+from stages.paths import GRADCHECK, HARDWARE, PROVENANCE, SPEED, SWEEP_PLAN, VARIANTS, variant_dir
 
 REPORT_MD = Path("reports/report.md")
 REPORT_HTML = Path("reports/report.html")
@@ -38,6 +38,7 @@ def main() -> None:
         results=results,
         plan=read_json(SWEEP_PLAN) if SWEEP_PLAN.exists() else None,
         grad=read_json(GRADCHECK) if GRADCHECK.exists() else None,
+        speed=read_json(SPEED) if SPEED.exists() else None,
         snapshots=snapshots,
         histories=histories,
     )
@@ -45,7 +46,7 @@ def main() -> None:
     for name, png in rep.figures.items():
         with atomic_path(FIGURES / name) as tmp:
             tmp.write_bytes(png)
-    write_json(SUMMARY, tables.summary_metrics(results))
+    write_json(SUMMARY, tables.summary_metrics(results, inputs.speed))
     write_text(REPORT_MD, rep.markdown())
     write_text(REPORT_HTML, rep.html())
     print(f"report: {REPORT_HTML} and {REPORT_MD} ({len(rep.figures)} figures in {FIGURES})")

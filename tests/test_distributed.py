@@ -135,14 +135,20 @@ def test_ctrl_c_while_relaunched_under_torchrun_leaves_no_rank(tmp_path: Path) -
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "OUT": str(tmp_path)},
     )
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / r).exists() for r in ("0", "1")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    ranks = [int((tmp_path / r).read_text()) for r in ("0", "1")]
-    parent.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
-    parent.wait(timeout=60)
-    time.sleep(1)
-    assert [pid for pid in ranks if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"] == []
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / r).exists() for r in ("0", "1")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+        parent.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
+        parent.wait(timeout=120)  # relaunch gives torchrun 30 s, then kills it
+        time.sleep(1)
+        assert [pid for pid in ranks if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"] == []
+    finally:  # a failure here must not leave a child behind for the next test to trip on
+        for proc in psutil.Process(parent.pid).children(recursive=True) if parent.poll() is None else []:
+            proc.kill()
+        parent.kill()
+        parent.wait()
 
 
 def test_out_of_memory_in_one_rank_of_two_is_a_result(workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -187,7 +193,6 @@ def test_out_of_memory_in_one_rank_of_two_is_a_result(workdir: Path, tmp_path_fa
         and "can't allocate memory" in metrics["did_not_fit"]["reason"]
     )
     assert "recorded as a result" in result.stdout
-    leftovers = [
-        p for p in psutil.process_iter(["cmdline", "cwd"]) if "stages.train" in " ".join(p.info["cmdline"] or [])
-    ]
+    ours = (p.info for p in psutil.process_iter(["cmdline", "cwd"]))  # this test's: started in its folder
+    leftovers = [p for p in ours if p["cwd"] == str(workdir) and "stages.train" in " ".join(p["cmdline"] or [])]
     assert leftovers == []

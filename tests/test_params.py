@@ -293,3 +293,17 @@ def test_set_on_the_command_line_keeps_the_comments(tmp_path: Path) -> None:
     assert written.accum == 8 and written.memory.sweep_steps == 3 and written.seed == DEFAULTS["seed"]
     bad = subprocess.run([*cmd[:4], "-S", "accum=0"], cwd=ROOT, capture_output=True, text=True, check=False)
     assert bad.returncode != 0 and "accum = 0 is not allowed" in bad.stderr and params.load(path).accum == 8
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"seeds": 0}, "seeds = 0 is not allowed; expected an integer from 1 to 100"),
+        ({"seeds": 101}, "seeds = 101 is not allowed; expected an integer from 1 to 100"),
+        ({"seed": 2**32 - 2, "seeds": 3}, "seeds = 3 is not allowed; the seeds run from seed = 4294967294 up, so"),
+    ],
+)
+def test_seeds_are_counted_and_stay_in_range(changes: dict, expected: str) -> None:
+    p = copy.deepcopy(DEFAULTS)
+    p.update(changes)
+    assert error_for(p).startswith("params.yaml: " + expected)

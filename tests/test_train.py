@@ -280,3 +280,24 @@ def test_precision_lever_flips_autocast() -> None:
     assert loop.amp_dtype(cpu, train) is None and loop.amp_dtype(cpu, train, "other") == torch.bfloat16
     assert loop.amp_dtype(cuda, train) == torch.float16 and loop.amp_dtype(cuda, train, "other") is None
     assert loop.amp_dtype(cpu, train.model_copy(update={"amp_cpu": "bfloat16"}), "other") is None
+
+
+def test_each_further_seed_trains_a_fresh_model_and_is_recorded(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stage_inputs(workdir)
+    (workdir / "params.yaml").write_text((workdir / "params.yaml").read_text().replace("\nseeds: 1 ", "\nseeds: 3 "))
+    calls = []
+
+    def fake_train(model, data, **k):
+        calls.append((k["seed"], float(next(model.parameters()).detach().sum())))
+        row = dict.fromkeys(loop.EPOCH_COLUMNS, 1.0)
+        return [row | {"epoch": 1, "train_loss": k["seed"] / 100, "test_accuracy": k["seed"] / 1000}]
+
+    monkeypatch.setattr(experiment, "train", fake_train)
+    train_stage.main("groupnorm")
+    metrics = json.loads((workdir / "reports/variants/groupnorm/metrics.json").read_text())
+    assert [c[0] for c in calls] == [99, 100, 101]  # the data's order follows the seed
+    assert len({c[1] for c in calls}) == 3  # and so do the initial weights: each seed a fresh model
+    assert metrics["seeds"] == [
+        {"seed": s, "final_train_loss": s / 100, "test_accuracy": s / 1000} for s in (99, 100, 101)
+    ]
+    assert metrics["final_train_loss"] == 0.99  # the record's own end point is the first seed's, as its curves

@@ -36,6 +36,7 @@ class Inputs:
     results: tables.Results
     plan: dict[str, Any] | None = None  # the sweep's result
     grad: dict[str, Any] | None = None  # the gradient check's
+    speed: dict[str, Any] | None = None  # the speed stage's interleaved rounds
     snapshots: dict[str, str] | None = None  # variant -> nvidia-smi text at its peak (GPU)
     histories: dict[str, tuple[str, int]] | None = None  # variant -> (PyTorch memory snapshot file, bytes)
 
@@ -68,30 +69,36 @@ def build(inputs: Inputs) -> Report:
             f"epochs on {hw['device']}; memory is host RSS, not GPU memory. "
             "The ratios and the equivalence carry over; absolute memory, speed and accuracy do not."
         )
-    rep.heading("Summary")
-    rep.text(tables.summary(inputs.results, inputs.grad, hw["device"]))
-    what_ran(rep, p, hw, inputs.provenance)
-    rep.heading("Variants")
-    rep.table(tables.variants_table(inputs.results))
+    rep.heading("What this run found")
+    rep.table(tables.findings(inputs.results, inputs.grad, inputs.plan, hw["device"], inputs.speed))
     rep.heading("The tutorial's claims against this run")
     study_on_gpu = hw["scale"] == "study" and hw["device"] == "cuda"
-    rep.table(tables.claims_table(inputs.results, study_on_gpu, inputs.grad))
+    rep.table(tables.claims_table(inputs.results, study_on_gpu, inputs.grad, inputs.plan))
     rep.text(tables.steps_note(p, hw["scale"]))
-    lever_section(rep, inputs.results)
+    seed_section(rep, inputs.results, p.seeds)
+    lever_section(rep, inputs.results, inputs.speed)
+    if inputs.speed:
+        speed_section(rep, inputs.speed)
     figures.epoch_figures(rep, inputs.results)
     figures.memory_timeline(rep, inputs.results, hw["device"])
     figures.peak_memory(rep, inputs.results, hw["device"])
-    figures.throughput(rep, inputs.results)
     cards = planner.cards_for(inputs.plan, p.memory.cards_gb, p.memory.safety_margin) if inputs.plan else []
     if inputs.plan:
         figures.sweep(rep, inputs.plan, cards)
     if inputs.grad:
         gradcheck_section(rep, inputs.grad)
-    if hw["device"] == "cuda":
-        nvidia_smi_section(rep, inputs)
     if inputs.plan:
         planner_section(rep, inputs.plan, cards)
+    if hw["device"] == "cuda":
+        nvidia_smi_section(rep, inputs)
     time_section(rep, inputs)
+    rep.heading("Variants")
+    rep.text(
+        "Every variant's record. Their images/s come from training runs made one after another, which carry the "
+        "machine's drift: no ratio is taken from them (the speed comparisons above are interleaved)."
+    )
+    rep.table(tables.variants_table(inputs.results))
+    what_ran(rep, p, hw, inputs.provenance)
     return rep
 
 
@@ -125,12 +132,30 @@ def what_ran(rep: Report, p: Params, hw: dict[str, Any], prov: dict[str, Any]) -
         ("git commit", git_state()),
     ]
     rep.table([{"": key, "value": value} for key, value in rows])
-    rep.text("The params that ran (params.yaml):")
-    rep.pre(yaml.safe_dump(p.model_dump(), sort_keys=False))
+    rep.details("The params that ran (params.yaml)", yaml.safe_dump(p.model_dump(), sort_keys=False))
 
 
-def lever_section(rep: Report, results: tables.Results) -> None:
-    levers = tables.lever_table(results)
+def seed_section(rep: Report, results: tables.Results, seeds: int) -> None:
+    """What another seed gives: the yardstick every loss and accuracy difference above is held against."""
+    rows = tables.seed_rows(results)
+    rep.heading("Seeds: what another seed gives")
+    if seeds < 2 or not any(len(r.record.seeds) > 1 for r in results.values()):
+        rep.text(
+            "One seed per variant (params.yaml `seeds: 1`): the loss and accuracy differences above are not held "
+            "against a seed spread, so none of them is a finding yet. `dvc exp run -S seeds=3` runs each variant "
+            "with three seeds."
+        )
+        return
+    rep.text(
+        f"Each variant ran with {seeds} seeds (seed, seed + 1, ...: the model's initial weights and the data's "
+        "order); the curves, memory and speed are the first seed's. A difference is called larger than the seed "
+        "spread when the two means differ by more than the wider of the two variants' ranges over seeds."
+    )
+    rep.table(rows)
+
+
+def lever_section(rep: Report, results: tables.Results, speed: dict[str, Any] | None) -> None:
+    levers = tables.lever_table(results, speed)
     if not levers:
         return
     rep.heading("The memory levers side by side")
@@ -138,10 +163,23 @@ def lever_section(rep: Report, results: tables.Results) -> None:
         "The same work as the groupnorm control (GroupNorm, accum 1, same lr and batch), with one lever or "
         "two. Checkpointing recomputes the blocks' activations in backward instead of keeping them; it is "
         "kept away from BatchNorm, whose running statistics it would update twice per forward "
-        "(pytorch#96136). Throughput ratios carry the machine's drift: the variants run one after another."
+        "(pytorch#96136). Throughput comes from the speed stage, which interleaves the variants."
     )
     rep.table(levers)
-    figures.levers(rep, levers)
+    if speed:
+        figures.levers(rep, levers, tables.speed_ratios(speed))
+
+
+def speed_section(rep: Report, speed: dict[str, Any]) -> None:
+    rep.heading("Speed, measured fairly")
+    rep.text(
+        f"Every variant's training step timed in {speed['rounds']} rounds of {speed['steps']} optimizer step(s) at "
+        f"effective batch {speed['batch']}, the variants interleaved in an order that rotates each round (after "
+        "one warm-up round), so the machine's drift hits them alike; each ratio is taken within a round, then "
+        "the median and the range over rounds are shown. One process."
+    )
+    rep.table(tables.speed_rows(speed))
+    figures.throughput(rep, speed)
 
 
 def gradcheck_section(rep: Report, grad: dict[str, Any]) -> None:
@@ -189,7 +227,7 @@ def planner_section(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any
 
 
 def time_section(rep: Report, inputs: Inputs) -> None:
-    rows = tables.time_rows(inputs.results, inputs.plan, inputs.grad)
+    rows = tables.time_rows(inputs.results, inputs.plan, inputs.grad, inputs.speed)
     if not rows:
         return
     rep.heading("Where this run's time went")
@@ -198,8 +236,8 @@ def time_section(rep: Report, inputs: Inputs) -> None:
     rep.text(
         "Wall time of each stage's process, start-up and imports included, from its own record (hardware, "
         "download and report take seconds and are not timed), split into the study's computation (the sweep's "
-        "points, the gradient check, each variant's training loop) and the rest. `python -m benchmarks.repro` "
-        "times a whole `dvc repro` on a fresh clone, DVC's own time included."
+        "points, the gradient check, the speed stage's timed rounds, each variant's training loop) and the rest. "
+        "`python -m benchmarks.repro` times a whole `dvc repro` on a fresh clone, DVC's own time included."
         + (
             f" This CPU ({cpu['name']}) has no native bfloat16, so bfloat16 autocast is emulated and runs far "
             "slower than float32 here."

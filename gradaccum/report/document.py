@@ -26,6 +26,7 @@ STYLE = (
     "img{max-width:100%}em{color:#555}"
     "pre{background:#f6f6f6;padding:6px;font-size:12px;overflow-x:auto}"
     "blockquote.banner{margin:0;background:#fde8e8;border:2px solid #c44e52;padding:0 8px}"
+    "summary{cursor:pointer;color:#555}"
 )
 FIGURE_DIR = "figures"  # where report.md's image links point, beside it
 
@@ -36,6 +37,7 @@ class Report:
     stamp: str = ""  # printed on every figure: the scale, when it is not the tutorial's study
     blocks: list[str] = field(default_factory=list)
     figures: dict[str, bytes] = field(default_factory=dict)
+    collapsed: dict[int, str] = field(default_factory=dict)  # block index -> its summary line, folded in the HTML
 
     def banner(self, text: str) -> None:
         self.blocks.append(f"> **{text}**")
@@ -48,6 +50,11 @@ class Report:
 
     def pre(self, text: str) -> None:
         self.blocks.append(f"```text\n{text.rstrip()}\n```")
+
+    def details(self, summary: str, text: str) -> None:
+        """A long preformatted block: shown in report.md, folded under `summary` in report.html."""
+        self.collapsed[len(self.blocks)] = summary
+        self.pre(text)
 
     def table(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
@@ -70,9 +77,23 @@ class Report:
         return f"# {self.title}\n\n" + "\n\n".join(self.blocks) + "\n"
 
     def html(self) -> str:
-        """The Markdown rendered (raw HTML off), figures embedded as data URIs, the scale banner marked."""
+        """The Markdown rendered (raw HTML off), figures embedded as data URIs, the scale banner marked,
+        the collapsed blocks folded in <details>."""
+        parts = [self.render(f"# {self.title}")]
+        for i, block in enumerate(self.blocks):
+            body = self.render(block)
+            if i in self.collapsed:
+                body = f"<details><summary>{html.escape(self.collapsed[i])}</summary>\n{body}</details>\n"
+            parts.append(body)
+        body = "".join(parts)
+        return (
+            f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(self.title)}</title>'
+            f"<style>{STYLE}</style></head><body>\n{body}</body></html>\n"
+        )
+
+    def render(self, text: str) -> str:
         md = MarkdownIt("commonmark", {"html": False}).enable("table")
-        tokens = md.parse(self.markdown())
+        tokens = md.parse(text)
         for token in tokens:
             if token.type == "blockquote_open":
                 token.attrSet("class", "banner")
@@ -81,11 +102,7 @@ class Report:
                 if child.type == "image" and src.removeprefix(f"{FIGURE_DIR}/") in self.figures:
                     data = base64.b64encode(self.figures[src.removeprefix(f"{FIGURE_DIR}/")]).decode()
                     child.attrSet("src", f"data:image/png;base64,{data}")
-        body = md.renderer.render(tokens, md.options, {})
-        return (
-            f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(self.title)}</title>'
-            f"<style>{STYLE}</style></head><body>\n{body}</body></html>\n"
-        )
+        return md.renderer.render(tokens, md.options, {})
 
 
 def cell(value: Any) -> str:

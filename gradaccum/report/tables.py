@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ from gradaccum.records import MemoryPeaks, VariantRecord
 from gradaccum.tutorial import CLAIMS, kept_mistakes
 
 TOLERANCE = 0.25  # a claim "holds" within 25% of what was measured
+SPEED_REFERENCE = "groupnorm"  # the levers' control: GroupNorm, accum 1, none of the levers
 
 
 @dataclass
@@ -59,6 +61,35 @@ def fitted(results: Results) -> dict[str, VariantRecord]:
     return {name: r.record for name, r in results.items() if r.record.fit}
 
 
+def seed_values(m: VariantRecord, key: str) -> list[float]:
+    """A variant's end points (final_train_loss or test_accuracy) over its seeds; the record's own without them."""
+    values = [getattr(r, key) for r in m.seeds]
+    return values or ([getattr(m, key)] if getattr(m, key) is not None else [])
+
+
+def seed_mean(m: VariantRecord, key: str) -> float | None:
+    values = seed_values(m, key)
+    return statistics.fmean(values) if values else None
+
+
+def seed_text(m: VariantRecord, key: str) -> str:
+    """The mean over seeds and its range; the single value with one seed."""
+    values = seed_values(m, key)
+    if len(values) < 2:
+        return fmt(values[0] if values else None)
+    return f"{statistics.fmean(values):.4f} ({min(values):.4f} to {max(values):.4f})"
+
+
+def against_seeds(a: VariantRecord, b: VariantRecord, key: str = "final_train_loss") -> str:
+    """Is the difference of two variants' means larger than what another seed gives (the wider of their ranges)?"""
+    va, vb = seed_values(a, key), seed_values(b, key)
+    if min(len(va), len(vb)) < 2:
+        return "one seed: not compared with a seed spread"
+    diff, width = abs(statistics.fmean(va) - statistics.fmean(vb)), max(max(va) - min(va), max(vb) - min(vb))
+    word = "larger than" if diff > width else "within"
+    return f"{word} the seed spread ({diff:.4f} against a range of {width:.4f} over {min(len(va), len(vb))} seeds)"
+
+
 def code_label(m: VariantRecord) -> str:
     """Which of the tutorial's three mistakes a variant ran with; "exact" when none."""
     kept = kept_mistakes(m.model_dump())
@@ -78,8 +109,8 @@ def variants_table(results: Results) -> list[dict[str, Any]]:
             "micro-batch": m.micro_batch,
             "lr": m.lr,
             "code": code_label(m),
-            "final train loss": fmt(m.final_train_loss),
-            "test accuracy": fmt(m.test_accuracy),
+            "final train loss": seed_text(m, "final_train_loss"),
+            "test accuracy": seed_text(m, "test_accuracy"),
             "peak memory (MiB)": fmt(peak_mib(m), 1),
         }
         if m.world_size > 1:  # the headline peak is the largest process's; each process's here
@@ -90,7 +121,7 @@ def variants_table(results: Results) -> list[dict[str, Any]]:
             row["torch max allocated (MiB)"] = fmt(mem.torch_max_allocated_mib, 1)
             row["torch max reserved (MiB)"] = fmt(mem.torch_max_reserved_mib, 1)
         row |= {
-            "images/s": fmt(m.images_per_second, 1),
+            "images/s (not comparable: sequential runs)": fmt(m.images_per_second, 1),
             "optimizer steps": m.optimizer_steps,
             "skipped steps": m.skipped_steps,
             "fit": "yes" if m.fit else "not run" if m.not_run else "did not fit",
@@ -144,8 +175,12 @@ def absolute_claims(results: Results, study_on_gpu: bool) -> list[dict[str, str]
     return rows
 
 
-def ratio_claims(results: Results) -> list[dict[str, str]]:
-    """Accumulation's share of the baseline's memory, and the loss, as the tutorial compared them."""
+def ratio_claims(results: Results, plan: dict[str, Any] | None = None) -> list[dict[str, str]]:
+    """Accumulation's share of the baseline's memory, and the loss, as the tutorial compared them.
+
+    On the CPU the share is judged on the part of the peak that grows with the batch: host RSS carries a
+    fixed part (Python, libraries) that a GPU's memory does not, so the whole-process ratio cannot match.
+    """
     claimed = CLAIMS["accumulation_gb"] / CLAIMS["baseline_gb"]
     text = f"accumulation needs {claimed:.0%} of the baseline's memory (13.7 / 30)"
     done = fitted(results)
@@ -153,20 +188,32 @@ def ratio_claims(results: Results) -> list[dict[str, str]]:
         return [claim(text, "-", None, "not measured: the baseline or the accumulation variant did not run or fit")]
     acc, base = done["accumulation"], done["baseline"]
     a, b = peak_mib(acc), peak_mib(base)
-    change = acc.final_train_loss / base.final_train_loss - 1
+    acc_loss, base_loss = seed_mean(acc, "final_train_loss"), seed_mean(base, "final_train_loss")
+    change = acc_loss / base_loss - 1
     loss_verdict = (
         "holds (within 10%)"
         if abs(change) <= 0.10
         else f"the loss is {'higher' if change > 0 else 'lower'} by {abs(change):.0%}"
     )
+    a2, b2 = batch_part(acc, plan), batch_part(base, plan)
+    if a2 is not None and b2 is not None and b2 > 0:
+        memory = claim(
+            text,
+            f"{a2 / b2:.2f} of the part that grows with the batch ({a2:.0f} / {b2:.0f} MiB: peak less the sweep's "
+            f"fixed {plan['fit']['fixed_mib']:.0f} MiB); whole process {a / b:.2f} ({a:.0f} / {b:.0f} MiB)",
+            a2 / b2 / claimed,
+        )
+    else:
+        memory = claim(text, f"{a / b:.2f} ({a:.0f} / {b:.0f} MiB)", a / b / claimed)
     return [
-        claim(text, f"{a / b:.2f} ({a:.0f} / {b:.0f} MiB)", a / b / claimed),
+        memory,
         claim(
             "the loss is barely affected",
-            f"final train loss {acc.final_train_loss:.4f} vs {base.final_train_loss:.4f}; test accuracy "
-            f"{acc.test_accuracy:.4f} vs {base.test_accuracy:.4f}",
-            acc.final_train_loss / base.final_train_loss,
-            loss_verdict + "; but norm and lr changed too: the two control rows below separate them",
+            f"final train loss {seed_text(acc, 'final_train_loss')} vs {seed_text(base, 'final_train_loss')}; "
+            f"test accuracy {seed_text(acc, 'test_accuracy')} vs {seed_text(base, 'test_accuracy')}",
+            acc_loss / base_loss,
+            f"{loss_verdict}, {against_seeds(acc, base)}; but norm and lr changed too: the two control rows below "
+            "separate them",
         ),
     ]
 
@@ -175,42 +222,50 @@ def control_claims(results: Results) -> list[dict[str, str]]:
     """The controls that separate what the tutorial changed at once: accumulation alone, the norm alone, its code."""
     done, rows = fitted(results), []
     acc, gn, base, tut = (done.get(n) for n in ("accumulation", "groupnorm", "baseline", "tutorial_accumulation"))
+    loss = {
+        n: seed_mean(m, "final_train_loss") for n, m in (("acc", acc), ("gn", gn), ("base", base), ("tut", tut)) if m
+    }
     if gn and acc:
-        diff = abs(acc.final_train_loss - gn.final_train_loss) / gn.final_train_loss
+        diff = abs(loss["acc"] - loss["gn"]) / loss["gn"]
         rows.append(
             claim(
                 "(this study) accumulation alone changes nothing: same norm, same lr, accum 1",
-                f"final train loss {acc.final_train_loss:.4f} vs {gn.final_train_loss:.4f} ({diff:.1e} relative)",
+                f"final train loss {seed_text(acc, 'final_train_loss')} vs {seed_text(gn, 'final_train_loss')} "
+                f"({diff:.1e} relative)",
                 None,
-                "holds" if diff <= 0.01 else f"differs by {diff:.1%}",
+                "holds" if diff <= 0.01 else f"differs by {diff:.1%}, {against_seeds(acc, gn)}",
             )
         )
     if gn and base:
-        change = gn.final_train_loss / base.final_train_loss - 1
+        change = loss["gn"] / loss["base"] - 1
         rows.append(
             claim(
                 "(this study) the norm swap alone: GroupNorm(1) against BatchNorm, both accum 1",
-                f"final train loss {gn.final_train_loss:.4f} vs {base.final_train_loss:.4f}; test accuracy "
-                f"{gn.test_accuracy:.4f} vs {base.test_accuracy:.4f}; peak {peak_mib(gn):.0f} vs "
-                f"{peak_mib(base):.0f} MiB",
+                f"final train loss {seed_text(gn, 'final_train_loss')} vs {seed_text(base, 'final_train_loss')}; "
+                f"test accuracy {seed_text(gn, 'test_accuracy')} vs {seed_text(base, 'test_accuracy')}; peak "
+                f"{peak_mib(gn):.0f} vs {peak_mib(base):.0f} MiB",
                 None,
-                "no change (within 10%)"
-                if abs(change) <= 0.10
-                else f"the norm (and lr) change the loss by {abs(change):.0%}; memory stays "
-                f"{peak_mib(gn) / peak_mib(base):.2f}x",
+                (
+                    "no change (within 10%)"
+                    if abs(change) <= 0.10
+                    else f"the norm (and lr) change the loss by "
+                    f"{abs(change):.0%}; memory stays {peak_mib(gn) / peak_mib(base):.2f}x"
+                )
+                + f"; {against_seeds(gn, base)}",
             )
         )
     if tut and acc:
-        change = tut.final_train_loss / acc.final_train_loss - 1
+        change = loss["tut"] / loss["acc"] - 1
         rows.append(
             claim(
                 "(this study) the tutorial's accumulation code as written (loss / accum, no step at epoch end, "
                 "plain GroupNorm swap) against the corrected code",
-                f"accum {tut.accum}: final train loss {tut.final_train_loss:.4f} vs "
-                f"{acc.final_train_loss:.4f}; test accuracy {tut.test_accuracy:.4f} vs "
-                f"{acc.test_accuracy:.4f}; {tut.optimizer_steps} vs {acc.optimizer_steps} optimizer steps",
+                f"accum {tut.accum}: final train loss {seed_text(tut, 'final_train_loss')} vs "
+                f"{seed_text(acc, 'final_train_loss')}; test accuracy {seed_text(tut, 'test_accuracy')} vs "
+                f"{seed_text(acc, 'test_accuracy')}; {tut.optimizer_steps} vs {acc.optimizer_steps} optimizer steps",
                 None,
-                f"the corrections change the final loss by {abs(change):.1%}",
+                f"the corrections change the final loss by {abs(change):.1%}, {against_seeds(tut, acc)}; test "
+                f"accuracy: {against_seeds(tut, acc, 'test_accuracy')}",
             )
         )
     return rows
@@ -223,8 +278,9 @@ def batchnorm_claim(results: Results, grad: dict[str, Any]) -> dict[str, str]:
     also = ""
     if acc_bn and base:
         also = (
-            f"; accum_batchnorm ended at loss {acc_bn.final_train_loss:.4f} (test accuracy "
-            f"{acc_bn.test_accuracy:.4f}) against the baseline's {base.final_train_loss:.4f}"
+            f"; accum_batchnorm ended at loss {seed_text(acc_bn, 'final_train_loss')} (test accuracy "
+            f"{seed_text(acc_bn, 'test_accuracy')}) against the baseline's {seed_text(base, 'final_train_loss')}, "
+            f"{against_seeds(acc_bn, base)}"
         )
     return claim(
         "BatchNorm must go for accumulation (swapped for GroupNorm)",
@@ -237,15 +293,58 @@ def batchnorm_claim(results: Results, grad: dict[str, Any]) -> dict[str, str]:
     )
 
 
-def claims_table(results: Results, study_on_gpu: bool, grad: dict[str, Any] | None = None) -> list[dict[str, str]]:
+def claims_table(
+    results: Results, study_on_gpu: bool, grad: dict[str, Any] | None = None, plan: dict[str, Any] | None = None
+) -> list[dict[str, str]]:
     """The tutorial's claims, then the controls that separate what it changed at once (norm, accumulation)."""
-    rows = absolute_claims(results, study_on_gpu) + ratio_claims(results) + control_claims(results)
+    rows = absolute_claims(results, study_on_gpu) + ratio_claims(results, plan) + control_claims(results)
     return rows + ([batchnorm_claim(results, grad)] if grad else [])
 
 
-def summary_metrics(results: Results) -> dict[str, Any]:
+def speed_rows(speed: dict[str, Any]) -> list[dict[str, Any]]:
+    """The interleaved measurement per variant: images/s per round, its median, and the ratio to the control."""
+    ratios = speed_ratios(speed)
+    rows = []
+    for name, row in speed["variants"].items():
+        rounds = row.get("images_per_s") or []
+        rows.append(
+            {
+                "variant": name,
+                "accum x micro-batch": f"{row['accum']} x {row['micro_batch']}" if "accum" in row else "-",
+                "images/s per round": ", ".join(f"{x:.1f}" for x in rounds)
+                or row.get("not_run")
+                or row.get("did_not_fit", "-"),
+                "median images/s": fmt(row.get("median_images_per_s"), 1),
+                f"vs {SPEED_REFERENCE}: median (range)": ratio_text(ratios.get(name)),
+            }
+        )
+    return rows
+
+
+def seed_rows(results: Results) -> list[dict[str, Any]]:
+    """Each variant's end point per seed, and their mean and range: what another seed would give."""
+    rows = []
+    for name, r in results.items():
+        m = r.record
+        if not m.seeds:
+            continue
+        rows.append(
+            {
+                "variant": name,
+                "seeds": ", ".join(str(s.seed) for s in m.seeds),
+                "final train loss per seed": ", ".join(f"{s.final_train_loss:.4f}" for s in m.seeds),
+                "mean (range)": seed_text(m, "final_train_loss"),
+                "test accuracy per seed": ", ".join(f"{s.test_accuracy:.4f}" for s in m.seeds),
+                "accuracy mean (range)": seed_text(m, "test_accuracy"),
+            }
+        )
+    return rows
+
+
+def summary_metrics(results: Results, speed: dict[str, Any] | None = None) -> dict[str, Any]:
     """reports/metrics.json: what `dvc exp show` compares across experiments, a few numbers per variant."""
     get = {name: r.record for name, r in results.items()}
+    fair = speed["variants"] if speed else {}
     done = fitted(results)
     both = "baseline" in done and "accumulation" in done
     out: dict[str, Any] = {
@@ -255,9 +354,9 @@ def summary_metrics(results: Results) -> dict[str, Any]:
     for name, m in get.items():
         out[name] = {
             "peak_mib": round(peak_mib(m), 1) if peak_mib(m) is not None else None,
-            "loss": round(m.final_train_loss, 4) if m.final_train_loss is not None else None,
-            "acc": m.test_accuracy,
-            "img_s": round(m.images_per_second, 1) if m.images_per_second is not None else None,
+            "loss": round(seed_mean(m, "final_train_loss"), 4) if m.final_train_loss is not None else None,
+            "acc": round(seed_mean(m, "test_accuracy"), 4) if m.test_accuracy is not None else None,  # seeds' mean
+            "img_s": fair.get(name, {}).get("median_images_per_s"),  # interleaved, never the sequential runs
         }
     return out
 
@@ -270,9 +369,28 @@ LEVERS = (  # (variant, lever): the same work as the groupnorm control, with one
 )
 
 
-def lever_table(results: Results) -> list[dict[str, Any]]:
-    """Each memory lever against the groupnorm control (same norm, lr and batch, none of the levers)."""
-    done = fitted(results)
+def speed_ratios(speed: dict[str, Any], reference: str = SPEED_REFERENCE) -> dict[str, dict[str, float]]:
+    """Each variant's speed over the reference's within each interleaved round: the median ratio and its range."""
+    ref = speed["variants"].get(reference, {}).get("images_per_s")
+    out = {}
+    for name, row in speed["variants"].items():
+        mine = row.get("images_per_s")
+        if not ref or not mine or len(mine) != len(ref):
+            continue
+        per_round = [m / r for m, r in zip(mine, ref, strict=True)]
+        out[name] = {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
+    return out
+
+
+def ratio_text(r: dict[str, float] | None) -> str:
+    """An interleaved speed ratio: the median over rounds, then its range."""
+    return f"{r['median']:.2f} ({r['min']:.2f} to {r['max']:.2f})" if r else "-"
+
+
+def lever_table(results: Results, speed: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Each memory lever against the groupnorm control (same norm, lr and batch, none of the levers); speed
+    from the interleaved measurement only."""
+    done, ratios = fitted(results), speed_ratios(speed) if speed else {}
     ref = done.get("groupnorm")
     if not ref:
         return []
@@ -291,9 +409,9 @@ def lever_table(results: Results) -> list[dict[str, Any]]:
                 "variant": name,
                 "peak memory vs groupnorm": fmt(peak_mib(m) / peak_mib(ref), 2),
                 "memory saved (MiB)": fmt(peak_mib(ref) - peak_mib(m), 0),
-                "throughput vs groupnorm": fmt(m.images_per_second / ref.images_per_second, 2),
-                "final train loss": fmt(m.final_train_loss),
-                "test accuracy": fmt(m.test_accuracy),
+                "throughput vs groupnorm, interleaved: median (range)": ratio_text(ratios.get(name)),
+                "final train loss": seed_text(m, "final_train_loss"),
+                "test accuracy": seed_text(m, "test_accuracy"),
             }
         )
     return rows
@@ -312,42 +430,76 @@ def steps_note(p: Params, scale_name: str) -> str:
     )
 
 
-def summary(results: Results, grad: dict[str, Any] | None, device: str) -> str:
-    """The findings in a paragraph, every number from the records."""
+def batch_part(m: VariantRecord, plan: dict[str, Any] | None) -> float | None:
+    """On the CPU, the part of the peak that grows with the batch: the peak less the sweep's fitted fixed part
+    (Python, libraries, weights), which host RSS carries whatever the batch. None on a GPU or without a fit."""
+    peak = peak_mib(m)
+    if plan is None or m.device != "cpu" or peak is None or m.did_not_fit:
+        return None
+    return peak - plan["fit"]["fixed_mib"]
+
+
+def findings(
+    results: Results,
+    grad: dict[str, Any] | None,
+    plan: dict[str, Any] | None,
+    device: str,
+    speed: dict[str, Any] | None = None,
+) -> list[dict[str, str]]:
+    """The answer, first: memory saved against the baseline and the norm control, and whether the training is
+    the same one. Every number from the records."""
     get, done = {name: r.record for name, r in results.items()}, fitted(results)
     base, acc, gn = done.get("baseline"), done.get("accumulation"), done.get("groupnorm")
     what = "GPU memory (nvidia-smi)" if device == "cuda" else "host memory (RSS)"
-    parts = []
-    if "baseline" in get and not base:
-        parts.append(f"The baseline (batch {get['baseline'].batch}) {get['baseline'].why_not()}.")
+    rows = []
     if acc:
-        parts.append(
-            f"Accumulation ({acc.accum} x {acc.micro_batch}) peaked at {peak_mib(acc):.0f} MiB of {what} "
-            f"and trained at {acc.images_per_second:.0f} images/s."
+        saved = [f"accumulation ({acc.accum} x {acc.micro_batch}) peaked at {peak_mib(acc):.0f} MiB of {what}"]
+        if base:
+            a, b = peak_mib(acc), peak_mib(base)
+            saved.append(f"{a / b:.2f} x the baseline's {b:.0f} MiB at batch {base.batch}")
+            a2, b2 = batch_part(acc, plan), batch_part(base, plan)
+            if a2 is not None and b2 is not None and b2 > 0:
+                saved.append(
+                    f"the part that grows with the batch (peak less the sweep's fixed "
+                    f"{plan['fit']['fixed_mib']:.0f} MiB): {a2:.0f} / {b2:.0f} MiB = {a2 / b2:.2f}"
+                )
+        elif "baseline" in get:
+            saved.append(f"the baseline (batch {get['baseline'].batch}) {get['baseline'].why_not()}")
+        if gn:
+            saved.append(
+                f"{peak_mib(acc) / peak_mib(gn):.2f} x the groupnorm control's {peak_mib(gn):.0f} MiB (same norm "
+                "and lr, accum 1): the saving comes from the micro-batch, not from the norm"
+            )
+        rows.append({"question": "How much memory does accumulation save?", "answer": "; ".join(saved)})
+    if speed and acc:
+        r = speed_ratios(speed).get("accumulation")
+        base_r = speed_ratios(speed).get("baseline")
+        rows.append(
+            {
+                "question": "What does it cost in speed?",
+                "answer": f"accumulation ran at {ratio_text(r)} x the speed of its control, groupnorm (median and "
+                f"range over {speed['rounds']} interleaved rounds of {speed['steps']} optimizer step(s) each)"
+                + (f"; the baseline at {ratio_text(base_r)} x" if base_r else ""),
+            }
         )
-    if base and acc:
-        parts.append(
-            f"That is {peak_mib(acc) / peak_mib(base):.0%} of the baseline's {peak_mib(base):.0f} MiB at batch "
-            f"{base.batch}, at {acc.images_per_second / base.images_per_second:.2f}x its speed "
-            f"({base.images_per_second:.0f} images/s). Final training loss: {acc.final_train_loss:.4f} with "
-            f"accumulation, {base.final_train_loss:.4f} for the baseline; test accuracy "
-            f"{acc.test_accuracy:.4f} against {base.test_accuracy:.4f}."
-        )
-    if gn and acc and peak_mib(gn):
-        parts.append(
-            f"The GroupNorm control at full batch (accum 1) peaked at {peak_mib(gn):.0f} MiB, so the saving "
-            f"comes from the {'smaller' if peak_mib(acc) < peak_mib(gn) else 'same-size'} micro-batch, "
-            f"not from the norm; its final loss was {gn.final_train_loss:.4f} against "
-            f"{acc.final_train_loss:.4f} with accumulation."
-        )
+    same = []
     if grad:
-        parts.append(
-            f"On one fixed batch of {grad['batch']}, the accumulated GroupNorm gradient differed from the "
-            f"full-batch gradient by at most {grad['groupnorm_max']:.1e} (relative), "
-            f"{'within' if grad['groupnorm_equal'] else 'outside'} float32 rounding "
-            f"({grad['tolerance']:.0e}); with BatchNorm it differed by at least {grad['batchnorm_min']:.2f}."
+        same.append(
+            f"on one batch of {grad['batch']}, the accumulated GroupNorm gradient differs from the full-batch "
+            f"gradient by at most {grad['groupnorm_max']:.1e} (relative), "
+            f"{'within' if grad['groupnorm_equal'] else 'OUTSIDE'} float32 rounding ({grad['tolerance']:.0e}); "
+            f"with BatchNorm by at least {grad['batchnorm_min']:.2f}"
         )
-    return " ".join(parts)
+    if acc and gn:
+        a_loss, g_loss = seed_mean(acc, "final_train_loss"), seed_mean(gn, "final_train_loss")
+        same.append(
+            f"final train loss {seed_text(acc, 'final_train_loss')} with accumulation against "
+            f"{seed_text(gn, 'final_train_loss')} for its control ({abs(a_loss - g_loss) / g_loss:.1e} relative); "
+            f"test accuracy {seed_text(acc, 'test_accuracy')} against {seed_text(gn, 'test_accuracy')}"
+        )
+    if same:
+        rows.append({"question": "Is it still the same training?", "answer": "; ".join(same)})
+    return rows
 
 
 def options_text(options: list[dict[str, Any]] | None) -> str:
@@ -410,22 +562,29 @@ def peak_split(m: VariantRecord) -> dict[str, float]:
 
 
 def stage_times(
-    records: dict[str, VariantRecord], plan: dict[str, Any] | None, grad: dict[str, Any] | None
+    records: dict[str, VariantRecord],
+    plan: dict[str, Any] | None,
+    grad: dict[str, Any] | None,
+    speed: dict[str, Any] | None = None,
 ) -> dict[str, tuple[float, float]]:
     """Each timed stage's process seconds and, of those, the study's own computation: the sweep's points,
-    the gradient check, each variant's training loop. The rest is start-up, evaluation, sampling, writing."""
-    plan, grad = plan or {}, grad or {}
+    the gradient check, the timed rounds, each variant's training loop. The rest is start-up, evaluation,
+    sampling, writing."""
+    plan, grad, speed = plan or {}, grad or {}, speed or {}
     stages = {
         "sweep": (plan.get("stage_seconds"), sum(r.get("seconds") or 0 for r in plan.get("points", []))),
         "gradcheck": (grad.get("stage_seconds"), grad.get("compute_seconds")),
+        "speed": (speed.get("stage_seconds"), speed.get("compute_seconds")),
         **{f"train@{n}": (m.stage_seconds, m.train_seconds) for n, m in records.items()},
     }
     return {name: (total, work or 0.0) for name, (total, work) in stages.items() if total is not None}
 
 
-def time_rows(results: Results, plan: dict[str, Any] | None, grad: dict[str, Any] | None) -> list[dict[str, Any]]:
+def time_rows(
+    results: Results, plan: dict[str, Any] | None, grad: dict[str, Any] | None, speed: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """Where this run's time went: each timed stage's process, and the study's computation's share of it."""
-    timed = stage_times({n: r.record for n, r in results.items()}, plan, grad)
+    timed = stage_times({n: r.record for n, r in results.items()}, plan, grad, speed)
     if not timed:
         return []
     whole, work = sum(t for t, _ in timed.values()), sum(w for _, w in timed.values())
