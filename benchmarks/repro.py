@@ -1,6 +1,6 @@
 """`dvc repro` from a fresh clone, timed stage by stage: where `make repro`'s minutes go.
 
-    python -m benchmarks.repro [--out benchmarks/results/repro-NAME.json] [--keep DIR]   # part of `make bench`
+    python -m benchmarks.repro [--out benchmarks/results/repro-NAME.json] [--keep DIR] [-S seeds=3 ...]
 
 Clones this checkout's committed HEAD into a temp folder and runs `dvc repro` there with this
 checkout's virtual environment (what `make repro` runs on a fresh clone once `make test` has made
@@ -98,20 +98,33 @@ def main() -> None:
     parser.add_argument(
         "--keep", type=Path, help="copy the run's reports/ here (a reference run, made from a clean clone)"
     )
+    parser.add_argument(
+        "-S",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a param in the clone's params.yaml first (python -m gradaccum.params), as dvc exp run -S does",
+    )
     args = parser.parse_args()
     if args.keep and args.keep.exists():
         parser.error(f"--keep {args.keep}: already exists; pick a new folder")
     with tempfile.TemporaryDirectory() as tmp:
         clone = Path(tmp) / "clone"
         subprocess.run(["git", "clone", "-q", ".", str(clone)], check=True)
+        for setting in args.overrides:  # checked and written with params.yaml's comments kept
+            subprocess.run(
+                [sys.executable, "-m", "gradaccum.params", "params.yaml", "-S", setting], cwd=clone, check=True
+            )
         walls, total = timed_repro(clone)
         result = breakdown(clone, walls, total)
         if args.keep:
             shutil.copytree(clone / "reports", args.keep)
     result |= {
+        "overrides": args.overrides,
         "commit": subprocess.run(
             ["git", "rev-parse", "HEAD"], check=True, capture_output=True, text=True
-        ).stdout.strip()
+        ).stdout.strip(),
     }
     print(table(result))
     write_json(args.out, result)

@@ -124,6 +124,7 @@ class VariantRun:
     epochs: list[dict[str, Any]]
     sampler: MemorySampler
     weights: dict[str, torch.Tensor]
+    steps: list[dict[str, Any]]  # a row per optimizer step (loop.STEP_COLUMNS), the first seed's
     alone: bool = False  # this rank ran out of memory while the others wait in a collective: it writes the record
 
 
@@ -148,8 +149,9 @@ def run_variant(
     if rank == 0:
         print(headline(variant, v, accum, micro, world, scale.batch, hw, dtype), flush=True)
     failure, not_run = plan_check(p, device, micro, plan, world), emulation_check(p, hw, dtype)
+    steps: list[dict[str, Any]] = []
     rows, failure, sampler, alone = measured_training(
-        model, data, p, variant, scale, accum, dtype, failure, rank, world, memory_snapshot, run=not not_run
+        model, data, p, variant, scale, accum, dtype, failure, rank, world, memory_snapshot, not not_run, steps
     )
     memory = peak_memory(sampler, device, 1 if alone else world)  # alone: no collective can complete
     seeds = []
@@ -191,7 +193,7 @@ def run_variant(
         memory=memory,
     )
     weights = distributed.unwrap(model).state_dict() if record.fit else {}
-    return VariantRun(record, rows, sampler, weights, alone)
+    return VariantRun(record, rows, sampler, weights, steps, alone)
 
 
 def variant_model(p: Params, variant: str, seed: int, device: torch.device, sync_bn: bool) -> torch.nn.Module:
@@ -214,6 +216,7 @@ def train_variant(
     seed: int,
     rank: int,
     world: int,
+    step_rows: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The loop with the variant's settings; `seed` orders the data (the model's own seed set its weights)."""
     v = p.variants[variant]
@@ -233,6 +236,7 @@ def train_variant(
         progress=rank == 0,
         rank=rank,
         world=world,
+        step_rows=step_rows,
     )
 
 
@@ -249,6 +253,7 @@ def measured_training(
     world: int,
     memory_snapshot: Path | None,
     run: bool = True,
+    step_rows: list[dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], DidNotFit | None, MemorySampler, bool]:
     """The loop inside the memory sampler (and PyTorch's memory history, if asked); out of memory is a result.
 
@@ -265,7 +270,7 @@ def measured_training(
     with MemorySampler(device.type, p.memory.interval_ms, gpu_index=device.index or 0) as sampler, snapshot:
         if failure is None and run:
             try:
-                rows = train_variant(model, data, p, variant, scale, accum, dtype, p.seed, rank, world)
+                rows = train_variant(model, data, p, variant, scale, accum, dtype, p.seed, rank, world, step_rows)
             except Exception as err:  # out of memory is a result, not a crash: the tutorial's baseline on a small card
                 if not is_out_of_memory(err):
                     raise

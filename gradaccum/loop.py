@@ -31,6 +31,7 @@ EPOCH_COLUMNS = (
     "images_per_second",
     "seconds",
 )
+STEP_COLUMNS = ("step", "epoch", "train_loss")  # train_loss: the mean over the step's window (samples of this epoch)
 AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": None}  # float32: no autocast
 
 
@@ -71,14 +72,17 @@ def train_epoch(
     dtype: torch.dtype | None,
     progress: bool = False,
     no_sync: bool = True,
+    step_losses: list[float] | None = None,
 ) -> tuple[float, int, int]:
     """One epoch; returns (mean training loss over samples, optimizer steps, steps the scaler skipped).
 
     Under DDP the gradients are all-reduced once per window: every micro-batch before the window's
     last runs forward and backward inside `no_sync()` (no_sync=False all-reduces each one, to compare).
+    `step_losses`, if given, gets each optimizer step's mean loss over its window (all ranks' samples).
     """
     model.train()
     loss_sum, samples = torch.zeros((), device=images.device), 0
+    window_sum, window_n, windows = torch.zeros((), device=images.device), 0, []
     steps = skipped = 0
     for mb in tqdm(plan, desc="  micro-batches", leave=False, disable=None if progress else True):
         idx = perm[mb.start : mb.stop]
@@ -90,6 +94,8 @@ def train_epoch(
         if mb.weight:  # weight 0: a stand-in so that a rank with no samples left still joins the all-reduce
             loss_sum += loss.detach().float() * (mb.stop - mb.start)
             samples += mb.stop - mb.start
+            window_sum += loss.detach().float() * (mb.stop - mb.start)
+            window_n += mb.stop - mb.start
         if mb.step:  # the window is complete: one optimizer step on its accumulated gradient
             scale = scaler.get_scale()
             scaler.step(opt)  # skipped inside when the scaled gradients hold inf/NaN
@@ -97,8 +103,12 @@ def train_epoch(
             opt.zero_grad(set_to_none=True)
             steps += 1
             skipped += int(scaler.is_enabled() and scaler.get_scale() < scale)
-    total, samples = distributed.all_sum(float(loss_sum), samples)  # every rank's samples
-    return total / samples, steps, skipped
+            windows.append((window_sum, window_n))
+            window_sum, window_n = torch.zeros((), device=images.device), 0
+    sums = distributed.all_sum(float(loss_sum), samples, *(float(w) for w, _ in windows), *(n for _, n in windows))
+    if step_losses is not None:  # one all-reduce for the epoch, not one per step
+        step_losses += [w / n for w, n in zip(sums[2 : 2 + steps], sums[2 + steps :], strict=True)]
+    return sums[0] / sums[1], steps, skipped
 
 
 @torch.inference_mode()  # no autograd bookkeeping at all, cheaper than no_grad; evaluation trains nothing
@@ -134,11 +144,13 @@ def train(
     progress: bool = False,
     rank: int = 0,
     world: int = 1,
+    step_rows: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The whole run; per epoch: loss, test accuracy, steps and speed (evaluation not timed).
 
     `weighting` and `epoch_end_step` other than the defaults reproduce the tutorial's loop (see `schedule`).
     With world > 1, `model` is DDP-wrapped and each rank runs its share of every window.
+    `step_rows`, if given, gets a row per optimizer step (STEP_COLUMNS): the curve a few epochs hide.
     """
     device = data["train_x"].device
     opt = make_optimizer(model, lr, weight_decay)
@@ -150,9 +162,9 @@ def train(
     rows = []
     for epoch in tqdm(range(1, epochs + 1), desc="epochs", unit="epoch", disable=None if progress else True):
         perm = torch.randperm(n, generator=shuffle).to(device)
-        start = time.perf_counter()
+        start, losses = time.perf_counter(), []
         train_loss, steps, skipped = train_epoch(
-            model, opt, scaler, data["train_x"], data["train_y"], perm, plan, dtype, progress
+            model, opt, scaler, data["train_x"], data["train_y"], perm, plan, dtype, progress, step_losses=losses
         )
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -160,6 +172,10 @@ def train(
         test_loss, test_accuracy = evaluate(
             distributed.unwrap(model), data["test_x"], data["test_y"], eval_batch, dtype
         )  # every rank alike, without DDP: no collective to wait on
+        if step_rows is not None:
+            step_rows += [
+                {"step": len(step_rows) + 1 + i, "epoch": epoch, "train_loss": x} for i, x in enumerate(losses)
+            ]
         rows.append(
             {
                 "epoch": epoch,

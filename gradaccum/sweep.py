@@ -44,7 +44,12 @@ POINT_COMMAND = (sys.executable, "-m", "gradaccum.sweep_point")  # reads the par
 
 
 def run_point(
-    p: params.Params, micro: int, device: str, checkpointing: bool = False, command: tuple[str, ...] = POINT_COMMAND
+    p: params.Params,
+    micro: int,
+    device: str,
+    checkpointing: bool = False,
+    command: tuple[str, ...] = POINT_COMMAND,
+    test_samples: int = 1000,
 ) -> dict[str, Any]:
     """measure_point in a fresh interpreter, whose last line of output is the row as JSON.
 
@@ -52,7 +57,8 @@ def run_point(
     allocation (CPU), or the kernel's out-of-memory killer ending it with SIGKILL (CPU). Any other failure,
     and a point still running after memory.sweep_timeout_s, raises SweepError with what the point printed last.
     """
-    args = [*command, "--point", str(micro), "--device", device] + (["--checkpointing"] if checkpointing else [])
+    args = [*command, "--point", str(micro), "--device", device, "--test-samples", str(test_samples)]
+    args += ["--checkpointing"] if checkpointing else []
     what = f"sweep point micro-batch {micro}{' (checkpointing)' if checkpointing else ''}"
     try:
         proc = subprocess.run(
@@ -95,7 +101,7 @@ def sweep(p: params.Params, hw: dict[str, Any], log: Any = print) -> dict[str, A
     rows = []
     for checkpointing in planner.LEVERS.values():  # the plain model, then with activation checkpointing
         for micro in scale.sweep_micro_batches:
-            row = run_point(p, micro, hw["device"], checkpointing)
+            row = run_point(p, micro, hw["device"], checkpointing, test_samples=scale.test_samples)
             log(
                 f"sweep: micro-batch {micro}{' (checkpointing)' if checkpointing else ''}: "
                 + (f"peak {row['peak_mib']} MiB" if row["fit"] else f"did not fit ({row['error']})")

@@ -15,7 +15,7 @@ import torch
 
 from gradaccum import distributed, mnist, params
 from gradaccum.experiment import VariantRun, run_variant, variant_accum
-from gradaccum.loop import EPOCH_COLUMNS
+from gradaccum.loop import EPOCH_COLUMNS, STEP_COLUMNS
 from gradaccum.machine import process_seconds
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import atomic_path, read_json, write_json, write_table, write_text
@@ -69,6 +69,7 @@ def write_outputs(variant: str, run: VariantRun) -> None:
     )
     out = variant_dir(variant)
     write_table(out / "epochs.tsv", run.epochs, EPOCH_COLUMNS)
+    write_table(out / "steps.tsv", run.steps, STEP_COLUMNS)
     write_table(out / "memory.csv", sampler.rows, TIMELINE_COLUMNS, delimiter=",")
     write_text(
         out / "nvidia-smi.txt", sampler.peak_snapshot or "no nvidia-smi snapshot (CPU run or nvidia-smi missing)\n"

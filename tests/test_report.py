@@ -13,7 +13,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from gradaccum.loop import EPOCH_COLUMNS
+from gradaccum.loop import EPOCH_COLUMNS, STEP_COLUMNS
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import write_json, write_table
 from stages import report
@@ -120,6 +120,8 @@ def variant_outputs(
     }
     out = root / "reports/variants" / name
     write_table(out / "epochs.tsv", epochs, EPOCH_COLUMNS)
+    steps = [{"step": i + 1, "epoch": i // 2 + 1, "train_loss": 2.5 - 0.15 * i} for i in range(6)] if fit else []
+    write_table(out / "steps.tsv", steps, STEP_COLUMNS)
     col = "process_mib" if cuda else "rss_mib"
     timeline = [
         dict(
@@ -272,9 +274,11 @@ def mean_loss(m: dict[str, Any]) -> float:
     return sum(r["final_train_loss"] for r in m["seeds"]) / len(m["seeds"]) if m["seeds"] else m["final_train_loss"]
 
 
-def md_table(text: str, heading: str) -> list[dict[str, str]]:
+def md_table(text: str, heading: str, index: int = 0) -> list[dict[str, str]]:
+    """The `index`-th table under a heading, as rows of column -> cell."""
     section = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+    blocks = [b.strip() for b in section.split("\n\n") if b.strip().startswith("|")]
+    lines = blocks[index].splitlines()
     cols = [c.strip() for c in lines[0].strip("|").split("|")]
     return [dict(zip(cols, [c.strip() for c in ln.strip("|").split("|")], strict=True)) for ln in lines[2:]]
 
@@ -282,6 +286,7 @@ def md_table(text: str, heading: str) -> list[dict[str, str]]:
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     metrics = fixture_run(workdir, device)
+    too_big = "baseline" if device == "cuda" else "accum_batchnorm"  # the fixture's variant that did not fit
     report.main()
     md = (workdir / "reports/report.md").read_text()
     html = (workdir / "reports/report.html").read_text()
@@ -407,6 +412,20 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     fair = {r["variant"]: r for r in md_table(md, "Speed, measured fairly")}
     assert set(fair) == set(metrics) and fair["groupnorm"]["vs groupnorm: median (range)"] == "1.00 (1.00 to 1.00)"
 
+    planned = {r["variant"]: r for r in md_table(md, "Which card fits: the memory planner", 1)}
+    assert set(planned) == set(metrics)
+    acc_micro = metrics["accumulation"]["micro_batch"]  # the fixture's fit: 1200 + 1.6 MiB per sample
+    assert float(planned["accumulation"]["predicted (MiB)"]) == pytest.approx(1200 + 1.6 * acc_micro, abs=0.5)
+    assert float(planned["accumulation"]["measured (MiB)"]) == acc_peak
+    verdict = planned["accumulation"]["verdict"]
+    if device == "cpu":  # 1610 predicted against the fixture's 14000: the dangerous direction, flagged
+        assert verdict == f"UNDER by {1 - (1200 + 1.6 * 256) / 14000:.1%}, more than the 10% margin"
+    else:  # 1200 + 1.6 x 8192 = 14307 against 14000
+        assert verdict == "within 5%"
+        assert planned["accumulation"]["predicted / measured"] == f"{14307.2 / 14000:.3f}"
+    assert planned[too_big]["verdict"].startswith("did not fit: out of memory")
+    if device == "cpu":
+        assert planned["groupnorm_precision"]["verdict"].startswith("not run: this CPU has no bfloat16 kernels")
     grad = md_table(md, "Is the accumulated gradient the large-batch gradient?")
     assert [float(r["relative difference"]) for r in grad] == [3e-7, 1.3]
     # The card table is the report's, from the sweep's fits and memory.cards_gb; worked out by hand for 8 GB

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 from torch import nn
 
@@ -301,3 +302,42 @@ def test_each_further_seed_trains_a_fresh_model_and_is_recorded(workdir: Path, m
         {"seed": s, "final_train_loss": s / 100, "test_accuracy": s / 1000} for s in (99, 100, 101)
     ]
     assert metrics["final_train_loss"] == 0.99  # the record's own end point is the first seed's, as its curves
+
+
+def test_a_loss_per_optimizer_step_whose_weighted_mean_is_the_epoch_loss() -> None:
+    """steps.tsv: the window means, which, weighted by window size, give back the epoch's mean loss."""
+    model, data = tiny_model(), digits(70)
+    images, labels = data["train_x"], data["train_y"]
+    plan = schedule(70, 10, 3)  # windows of 30, 30 and 10 samples
+    with torch.no_grad():  # the first window, on the untouched model
+        first = float(F.cross_entropy(model(loop.normalize(images[:30])), labels[:30]))
+    losses: list[float] = []
+    epoch_loss, steps, _ = loop.train_epoch(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        torch.amp.GradScaler("cpu", enabled=False),
+        images,
+        labels,
+        torch.arange(70),
+        plan,
+        None,
+        step_losses=losses,
+    )
+    assert steps == len(losses) == 3
+    assert losses[0] == pytest.approx(first, rel=1e-5)
+    assert (30 * losses[0] + 30 * losses[1] + 10 * losses[2]) / 70 == pytest.approx(epoch_loss, rel=1e-6)
+    rows: list[dict] = []
+    loop.train(
+        tiny_model(),
+        digits(128),
+        lr=1e-3,
+        weight_decay=0.0,
+        batch=64,
+        accum=2,
+        epochs=2,
+        seed=0,
+        dtype=None,
+        eval_batch=64,
+        step_rows=rows,
+    )
+    assert [(r["step"], r["epoch"]) for r in rows] == [(1, 1), (2, 1), (3, 2), (4, 2)]

@@ -52,6 +52,7 @@ def load_variants(names: list[str], folder: Path) -> tables.Results:
             record=VariantRecord.read(d / "metrics.json"),
             epochs=pd.read_csv(d / "epochs.tsv", sep="\t"),
             timeline=pd.read_csv(d / "memory.csv"),
+            steps=pd.read_csv(d / "steps.tsv", sep="\t") if (d / "steps.tsv").exists() else None,
         )
     if not results:
         raise FileNotFoundError(f"no variant has a metrics.json under {folder}/: run the train stages first")
@@ -88,7 +89,7 @@ def build(inputs: Inputs) -> Report:
     if inputs.grad:
         gradcheck_section(rep, inputs.grad)
     if inputs.plan:
-        planner_section(rep, inputs.plan, cards)
+        planner_section(rep, inputs.plan, cards, inputs.results)
     if hw["device"] == "cuda":
         nvidia_smi_section(rep, inputs)
     time_section(rep, inputs)
@@ -207,7 +208,7 @@ def nvidia_smi_section(rep: Report, inputs: Inputs) -> None:
             )
 
 
-def planner_section(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any]]) -> None:
+def planner_section(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any]], results: tables.Results) -> None:
     machine, fit = plan["this_machine"], plan["fit"]
     fastest = tables.options_text(planner.this_machine_options(plan)[:1])
     rep.heading("Which card fits: the memory planner")
@@ -224,6 +225,12 @@ def planner_section(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any
         )
     )
     rep.table(tables.card_rows(cards))
+    rep.text(
+        "The planner against every variant's training run: its prediction for the variant's micro-batch (per "
+        "process) and the peak the run measured. A prediction under the measurement by more than the safety "
+        "margin is flagged: that is the direction that ends in an out-of-memory error."
+    )
+    rep.table(tables.planner_rows(results, plan))
 
 
 def time_section(rep: Report, inputs: Inputs) -> None:

@@ -22,54 +22,95 @@ def missing_note(results: Results) -> str:
     return "".join(f" {n}: {m.why_not().split(':')[0]}." for n, m in missing.items())
 
 
+PANELS = (  # the variants grouped by what they compare: one panel each, a few lines per panel
+    ("accumulation against its control", ("groupnorm", "accumulation", "tutorial_accumulation")),
+    ("BatchNorm and accumulation", ("baseline", "accum_batchnorm", "groupnorm")),
+    ("the other memory levers", ("groupnorm", "checkpointing", "accum_checkpointing", "groupnorm_precision")),
+)
+
+
+def panels(names: list[str]) -> list[tuple[str, list[str]]]:
+    """PANELS restricted to the variants present; any other variant gets a panel of its own."""
+    out = [(title, [n for n in group if n in names]) for title, group in PANELS]
+    grouped = {n for _, group in PANELS for n in group}
+    out.append(("other variants", [n for n in names if n not in grouped]))
+    return [(title, group) for title, group in out if group]
+
+
+def small_multiples(
+    rep: Report, frames: dict[str, pd.DataFrame], x: str, y: str, labels: tuple[str, str], name: str, caption: str
+) -> None:
+    """One panel per comparison, every variant in one colour throughout, each legend under its panel."""
+    names = [n for n, f in frames.items() if f is not None and len(f.dropna(subset=[y]))]
+    groups = panels(names)
+    colors = dict(zip(list(frames), sns.color_palette("tab10", n_colors=max(len(frames), 1)), strict=False))
+    fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(4.2 * max(len(groups), 1), 3.8), sharey=True)
+    for ax, (title, group) in zip(axes if len(groups) > 1 else [axes], groups or [("no data", [])], strict=True):
+        for n in group:
+            f = frames[n].dropna(subset=[y])
+            marker = "o" if len(f) <= 12 else None  # a few points (epochs) are shown as points
+            ax.plot(f[x], f[y], color=colors[n], marker=marker, linewidth=1.6, label=n)
+        ax.set(title=title, xlabel=labels[0], ylabel=labels[1])
+        if group:
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize="small", frameon=False)
+    rep.figure(name, fig, caption)
+
+
 def epoch_figures(rep: Report, results: Results) -> None:
-    """Training loss and test accuracy per epoch, every variant."""
-    order = list(results)
-    epochs = pd.concat(
-        [r.epochs.assign(variant=n) for n, r in results.items() if len(r.epochs)]
-        or [pd.DataFrame(columns=["epoch", "train_loss", "test_accuracy", "variant"])]
-    )
+    """Training loss per optimizer step and test accuracy per epoch, the variants grouped in panels."""
     note = missing_note(results)
-    for column, label, name in (
-        ("train_loss", "mean training loss", "train_loss.png"),
-        ("test_accuracy", "test accuracy", "test_accuracy.png"),
-    ):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        if len(epochs):
-            sns.lineplot(
-                epochs,
-                x="epoch",
-                y=column,
-                hue="variant",
-                hue_order=order,
-                style="variant",
-                style_order=order,
-                markers=True,
-                dashes=True,
-                linewidth=2,
-                markersize=8,
-                ax=ax,
-            )
-        ax.set(xlabel="epoch", ylabel=label)
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        rep.figure(name, fig, f"{label.capitalize()} per epoch, every variant.{note}")
+    steps = {n: r.steps for n, r in results.items()}
+    if any(f is not None for f in steps.values()):
+        small_multiples(
+            rep,
+            steps,
+            "step",
+            "train_loss",
+            ("optimizer step", "training loss (window mean)"),
+            "train_loss.png",
+            f"Training loss at every optimizer step (the mean over the step's window), grouped by what the variants "
+            f"compare.{note}",
+        )
+    else:  # a run from before steps.tsv existed: per epoch
+        small_multiples(
+            rep,
+            {n: r.epochs for n, r in results.items()},
+            "epoch",
+            "train_loss",
+            ("epoch", "mean training loss"),
+            "train_loss.png",
+            f"Mean training loss per epoch, grouped by what the variants compare.{note}",
+        )
+    small_multiples(
+        rep,
+        {n: r.epochs for n, r in results.items()},
+        "epoch",
+        "test_accuracy",
+        ("epoch", "test accuracy"),
+        "test_accuracy.png",
+        f"Test accuracy after each epoch, grouped by what the variants compare.{note}",
+    )
 
 
 def memory_timeline(rep: Report, results: Results, device: str) -> None:
     column = "process_mib" if device == "cuda" else "rss_mib"
-    shown = [n for n, r in results.items() if not r.record.not_run]  # a variant not run has no timeline to show
-    timeline = pd.concat([results[n].timeline.assign(variant=n) for n in shown])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    sns.lineplot(timeline.dropna(subset=[column]), x="seconds", y=column, hue="variant", hue_order=shown, ax=ax)
-    ax.set(xlabel="seconds since the variant started", ylabel=memory_label(device).replace("peak ", ""))
+    frames = {n: r.timeline for n, r in results.items() if not r.record.not_run}  # not run: no timeline
     interval = next(iter(results.values())).record.memory.interval_ms
     source = "nvidia-smi snapshots" if device == "cuda" else "RSS"
-    rep.figure("memory_timeline.png", fig, f"Memory over time ({source}, every {interval} ms).{missing_note(results)}")
+    small_multiples(
+        rep,
+        frames,
+        "seconds",
+        column,
+        ("seconds since the variant started", memory_label(device).replace("peak ", "")),
+        "memory_timeline.png",
+        f"Memory over time ({source}, every {interval} ms).{missing_note(results)}",
+    )
 
 
 def peak_memory(rep: Report, results: Results, device: str) -> None:
     """Peak per variant, stacked: PyTorch's allocations, its cache, the rest nvidia-smi saw (or host RSS)."""
-    order = list(results)
+    order = list(results)[::-1]  # horizontal bars, read top-down in the variants' order
     fig, ax = plt.subplots(figsize=(7, 4))
     bottoms = [0.0] * len(order)
     for part, color in (
@@ -81,11 +122,10 @@ def peak_memory(rep: Report, results: Results, device: str) -> None:
     ):
         heights = [peak_split(results[n].record).get(part, 0.0) for n in order]
         if any(heights):
-            ax.bar(order, heights, bottom=bottoms, label=part, color=color)
+            ax.barh(order, heights, left=bottoms, label=part, color=color)
             bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    ax.set(ylabel=memory_label(device))
-    ax.tick_params(axis="x", labelrotation=25)
-    ax.legend(bbox_to_anchor=(1.02, 1), loc="upper left", fontsize="small")
+    ax.set(xlabel=memory_label(device))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize="small", frameon=False, ncols=3)
     split = (
         ", split into PyTorch's allocations, its cache, and what else nvidia-smi saw"
         if device == "cuda"

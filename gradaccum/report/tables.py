@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from gradaccum.params import Params
+from gradaccum.planner import predict_mib
 from gradaccum.records import MemoryPeaks, VariantRecord
 from gradaccum.tutorial import CLAIMS, kept_mistakes
 
@@ -19,11 +20,12 @@ SPEED_REFERENCE = "groupnorm"  # the levers' control: GroupNorm, accum 1, none o
 
 @dataclass
 class VariantResult:
-    """One variant's outputs: its record, its rows per epoch, its memory timeline."""
+    """One variant's outputs: its record, its rows per epoch, its memory timeline, its rows per step."""
 
     record: VariantRecord
     epochs: pd.DataFrame
     timeline: pd.DataFrame
+    steps: pd.DataFrame | None = None  # a row per optimizer step (steps.tsv)
 
 
 Results = dict[str, VariantResult]
@@ -528,6 +530,39 @@ def card_rows(cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         for c in cards
     ]
+
+
+def planner_rows(results: Results, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every variant: the planner's prediction for its micro-batch against its measured training peak.
+
+    A prediction under the measurement by more than the safety margin is flagged: that is the direction that
+    ends in an out-of-memory error. The fit is GroupNorm's at the default precision; other precisions have none.
+    """
+    margin, rows = plan["this_machine"]["safety_margin"], []
+    for name, r in results.items():
+        m = r.record
+        model = plan.get("fit_checkpointing" if m.checkpointing else "fit")
+        if not m.fit or model is None:
+            rows.append({"variant": name, "verdict": m.why_not() or "no fit for this lever"})
+            continue
+        if m.precision != "default":
+            rows.append({"variant": name, "verdict": f"no fit for {m.amp}: the sweep runs the default precision"})
+            continue
+        predicted, measured = predict_mib(model, m.micro_batch), peak_mib(m)
+        under = (measured - predicted) / measured
+        rows.append(
+            {
+                "variant": name,
+                "micro-batch": m.micro_batch,
+                "predicted (MiB)": fmt(predicted, 0),
+                "measured (MiB)": fmt(measured, 0),
+                "predicted / measured": fmt(predicted / measured, 3),
+                "verdict": f"UNDER by {under:.1%}, more than the {margin:.0%} margin"
+                if under > margin
+                else ("within 5%" if abs(under) <= 0.05 else f"{'under' if under > 0 else 'over'} by {abs(under):.1%}"),
+            }
+        )
+    return rows
 
 
 def gradcheck_rows(grad: dict[str, Any]) -> list[dict[str, Any]]:
