@@ -154,12 +154,13 @@ def run_variant(
         model, data, p, variant, scale, accum, dtype, failure, rank, world, memory_snapshot, not not_run, steps
     )
     memory = peak_memory(sampler, device, 1 if alone else world)  # alone: no collective can complete
-    seeds = []
+    seeds, seconds = [], sum(r["seconds"] for r in rows)
     if rows:  # the first seed's end point, then each further seed's run: the yardstick for every difference
         seeds = [SeedRun(seed=p.seed, final_train_loss=rows[-1]["train_loss"], test_accuracy=rows[-1]["test_accuracy"])]
         for seed in range(p.seed + 1, p.seed + p.seeds):
             again = variant_model(p, variant, seed, device, sync_bn)
-            end = train_variant(again, data, p, variant, scale, accum, dtype, seed, rank, world)[-1]
+            more = train_variant(again, data, p, variant, scale, accum, dtype, seed, rank, world)
+            seconds, end = seconds + sum(r["seconds"] for r in more), more[-1]
             seeds.append(SeedRun(seed=seed, final_train_loss=end["train_loss"], test_accuracy=end["test_accuracy"]))
     record = VariantRecord(
         variant=variant,
@@ -189,7 +190,7 @@ def run_variant(
         optimizer_steps=sum(r["optimizer_steps"] for r in rows),
         skipped_steps=sum(r["skipped_steps"] for r in rows),
         seeds=seeds,
-        train_seconds=sum(r["seconds"] for r in rows),
+        train_seconds=seconds,
         memory=memory,
     )
     weights = distributed.unwrap(model).state_dict() if record.fit else {}

@@ -77,7 +77,7 @@ class VariantRecord(Record):
     optimizer_steps: int
     skipped_steps: int
     seeds: list[SeedRun] = []  # every seed's end point (params `seeds`); curves, speed and memory are the first's
-    train_seconds: float  # the loop's own time, evaluation not included
+    train_seconds: float  # the loop's own time over every seed, evaluation not included
     stage_seconds: float | None = None  # the whole train stage's process: start-up, imports, evaluation, writing
     memory: MemoryPeaks
 

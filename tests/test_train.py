@@ -302,6 +302,7 @@ def test_each_further_seed_trains_a_fresh_model_and_is_recorded(workdir: Path, m
         {"seed": s, "final_train_loss": s / 100, "test_accuracy": s / 1000} for s in (99, 100, 101)
     ]
     assert metrics["final_train_loss"] == 0.99  # the record's own end point is the first seed's, as its curves
+    assert metrics["train_seconds"] == 3.0  # every seed's loop time: 1 s each in the fake
 
 
 def test_a_loss_per_optimizer_step_whose_weighted_mean_is_the_epoch_loss() -> None:

@@ -46,11 +46,13 @@ def small_multiples(
     colors = dict(zip(list(frames), sns.color_palette("tab10", n_colors=max(len(frames), 1)), strict=False))
     fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(4.2 * max(len(groups), 1), 3.8), sharey=True)
     for ax, (title, group) in zip(axes if len(groups) > 1 else [axes], groups or [("no data", [])], strict=True):
-        for n in group:
+        for n, style in zip(group, ("-", "--", ":", "-."), strict=False):  # identical curves stay visible
             f = frames[n].dropna(subset=[y])
             marker = "o" if len(f) <= 12 else None  # a few points (epochs) are shown as points
-            ax.plot(f[x], f[y], color=colors[n], marker=marker, linewidth=1.6, label=n)
+            ax.plot(f[x], f[y], color=colors[n], marker=marker, linestyle=style, linewidth=1.8, label=n)
         ax.set(title=title, xlabel=labels[0], ylabel=labels[1])
+        if x in ("epoch", "step"):
+            ax.xaxis.get_major_locator().set_params(integer=True)
         if group:
             ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize="small", frameon=False)
     rep.figure(name, fig, caption)
@@ -69,7 +71,7 @@ def epoch_figures(rep: Report, results: Results) -> None:
             ("optimizer step", "training loss (window mean)"),
             "train_loss.png",
             f"Training loss at every optimizer step (the mean over the step's window), grouped by what the variants "
-            f"compare.{note}",
+            f"compare; the first seed's run. Identical curves overlap (solid, dashed, dotted).{note}",
         )
     else:  # a run from before steps.tsv existed: per epoch
         small_multiples(
