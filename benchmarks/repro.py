@@ -119,7 +119,8 @@ def main() -> None:
         walls, total = timed_repro(clone)
         result = breakdown(clone, walls, total)
         if args.keep:
-            shutil.copytree(clone / "reports", args.keep)
+            keep_out = shutil.ignore_patterns("reference")  # the committed references are not this run's
+            shutil.copytree(clone / "reports", args.keep, ignore=keep_out)
     result |= {
         "overrides": args.overrides,
         "commit": subprocess.run(
