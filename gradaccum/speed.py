@@ -15,10 +15,9 @@ from typing import Any
 import torch
 
 from gradaccum.accumulation import micro_batch_size, schedule
-from gradaccum.experiment import emulation_check, variant_accum
+from gradaccum.experiment import emulation_check, variant_accum, variant_model
 from gradaccum.loop import amp_dtype, make_optimizer, make_scaler, train_epoch
 from gradaccum.memory import is_out_of_memory
-from gradaccum.models import build_model
 from gradaccum.params import Params
 
 
@@ -27,9 +26,7 @@ def prepare(p: Params, variant: str, hw: dict[str, Any], plan: dict[str, Any] | 
     v = p.variants[variant]
     accum = variant_accum(p, variant, plan, hw["scale"])
     dtype = amp_dtype(device, p.train, v.precision)
-    model = build_model(
-        **p.model.model_dump(), norm=v.norm, seed=p.seed, swap=v.swap, checkpointing=v.checkpointing, device=device
-    )
+    model = variant_model(p, variant, p.seed, device, sync_bn=False)  # one process: no DDP, no SyncBatchNorm
     opt, scaler = make_optimizer(model, v.lr, p.train.weight_decay), make_scaler(device, dtype)
     return model, opt, scaler, dtype, accum
 
