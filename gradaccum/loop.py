@@ -81,8 +81,7 @@ def train_epoch(
     `step_losses`, if given, gets each optimizer step's mean loss over its window (all ranks' samples).
     """
     model.train()
-    loss_sum, samples = torch.zeros((), device=images.device), 0
-    window_sum, window_n, windows = torch.zeros((), device=images.device), 0, []
+    window_sum, window_n, windows = torch.zeros((), device=images.device), 0, []  # (loss sum, samples) a window
     steps = skipped = 0
     for mb in tqdm(plan, desc="  micro-batches", leave=False, disable=None if progress else True):
         idx = perm[mb.start : mb.stop]
@@ -92,8 +91,6 @@ def train_epoch(
                 loss = F.cross_entropy(model(normalize(images[idx])), labels[idx])
             scaler.scale(loss * mb.weight).backward()  # weight: this micro-batch's share of its window
         if mb.weight:  # weight 0: a stand-in so that a rank with no samples left still joins the all-reduce
-            loss_sum += loss.detach().float() * (mb.stop - mb.start)
-            samples += mb.stop - mb.start
             window_sum += loss.detach().float() * (mb.stop - mb.start)
             window_n += mb.stop - mb.start
         if mb.step:  # the window is complete: one optimizer step on its accumulated gradient
@@ -105,10 +102,13 @@ def train_epoch(
             skipped += int(scaler.is_enabled() and scaler.get_scale() < scale)
             windows.append((window_sum, window_n))
             window_sum, window_n = torch.zeros((), device=images.device), 0
-    sums = distributed.all_sum(float(loss_sum), samples, *(float(w) for w, _ in windows), *(n for _, n in windows))
-    if step_losses is not None:  # one all-reduce for the epoch, not one per step
-        step_losses += [w / n for w, n in zip(sums[2 : 2 + steps], sums[2 + steps :], strict=True)]
-    return sums[0] / sums[1], steps, skipped
+    windows.append((window_sum, window_n))  # what an epoch ending inside a window saw (the tutorial's loop)
+    losses = torch.stack([w for w, _ in windows]).tolist()  # one device sync for the epoch
+    sums = distributed.all_sum(*losses, *(n for _, n in windows))  # every rank's samples, one all-reduce
+    loss_sums, counts = sums[: len(windows)], sums[len(windows) :]
+    if step_losses is not None:
+        step_losses += [w / n for w, n in zip(loss_sums[:steps], counts[:steps], strict=True)]
+    return sum(loss_sums) / sum(counts), steps, skipped
 
 
 @torch.inference_mode()  # no autograd bookkeeping at all, cheaper than no_grad; evaluation trains nothing
