@@ -16,8 +16,16 @@ GIB_MIB = 1024  # card sizes are in GB as vendors and nvidia-smi's MiB/1024 use 
 LEVERS = {"accumulation": False, "checkpointing": True}  # the sweep's two lines: activation checkpointing off, on
 
 
-def fit(micro_batches: Sequence[int], peaks_mib: Sequence[float]) -> dict[str, float]:
-    """Least-squares line through (micro-batch, peak MiB); needs two distinct micro-batch sizes."""
+def fit(micro_batches: Sequence[int], peaks_mib: Sequence[float]) -> dict[str, Any]:
+    """The sweep's measured points, and the least-squares line through them for beyond their range.
+
+    Between two measured micro-batches the prediction joins their peaks; outside, it continues from the
+    nearest point with the line's slope. A line alone lies under part of a bent curve, the direction that
+    ends in an out-of-memory error: with activation checkpointing on the CPU the peak grew 1.43 MiB per
+    sample from 64 to 256 and 0.88 from 256 to 512 (measured), and the line fell 3% below the middle one.
+    Peaks are kept non-decreasing (a noisy smaller point never lowers a larger one's prediction).
+    Needs two distinct micro-batch sizes.
+    """
     x = np.asarray(micro_batches, dtype=float)
     y = np.asarray(peaks_mib, dtype=float)
     if len(set(x.tolist())) < 2:
@@ -28,22 +36,38 @@ def fit(micro_batches: Sequence[int], peaks_mib: Sequence[float]) -> dict[str, f
     predicted = fixed + per_sample * x
     ss_res = float(((y - predicted) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum())
+    order = np.argsort(x, kind="stable")
+    peaks = np.maximum.accumulate(y[order])
     return {
         "fixed_mib": float(fixed),
         "per_sample_mib": float(per_sample),
-        "r2": 1.0 - ss_res / ss_tot if ss_tot else 1.0,
+        "r2": 1.0 - ss_res / ss_tot if ss_tot else 1.0,  # of the line
+        "points": [[int(m), float(peak)] for m, peak in zip(x[order], peaks, strict=True)],
     }
 
 
-def predict_mib(model: dict[str, float], micro: int) -> float:
-    return model["fixed_mib"] + model["per_sample_mib"] * micro
+def predict_mib(model: dict[str, Any], micro: int) -> float:
+    """The measured points joined, the line's slope beyond them; a model without points is the line."""
+    slope, points = model["per_sample_mib"], model.get("points")
+    if not points:
+        return model["fixed_mib"] + slope * micro
+    (first_x, first_y), (last_x, last_y) = points[0], points[-1]
+    if micro < first_x:
+        return first_y - slope * (first_x - micro)
+    if micro > last_x:
+        return last_y + slope * (micro - last_x)
+    return float(np.interp(micro, [m for m, _ in points], [peak for _, peak in points]))
 
 
-def largest_micro_batch(model: dict[str, float], budget_mib: float, batch: int) -> int:
+def largest_micro_batch(model: dict[str, Any], budget_mib: float, batch: int) -> int:
     """0 when even one sample does not fit (the fixed part alone exceeds the budget)."""
     if model["per_sample_mib"] <= 0:
-        return batch if model["fixed_mib"] <= budget_mib else 0
-    return max(0, min(batch, math.floor((budget_mib - model["fixed_mib"]) / model["per_sample_mib"])))
+        return batch if predict_mib(model, 1) <= budget_mib else 0
+    low, high = 0, batch  # the prediction grows with the micro-batch: bisect for the last that fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if predict_mib(model, mid) <= budget_mib else (low, mid - 1)
+    return low
 
 
 def smallest_accum(model: dict[str, float], budget_mib: float, batch: int) -> int | None:

@@ -50,6 +50,7 @@ def run_point(
     checkpointing: bool = False,
     command: tuple[str, ...] = POINT_COMMAND,
     test_samples: int = 1000,
+    last: int = 0,
 ) -> dict[str, Any]:
     """measure_point in a fresh interpreter, whose last line of output is the row as JSON.
 
@@ -58,6 +59,7 @@ def run_point(
     and a point still running after memory.sweep_timeout_s, raises SweepError with what the point printed last.
     """
     args = [*command, "--point", str(micro), "--device", device, "--test-samples", str(test_samples)]
+    args += ["--last", str(last)]
     args += ["--checkpointing"] if checkpointing else []
     what = f"sweep point micro-batch {micro}{' (checkpointing)' if checkpointing else ''}"
     try:
@@ -101,7 +103,8 @@ def sweep(p: params.Params, hw: dict[str, Any], log: Any = print) -> dict[str, A
     rows = []
     for checkpointing in planner.LEVERS.values():  # the plain model, then with activation checkpointing
         for micro in scale.sweep_micro_batches:
-            row = run_point(p, micro, hw["device"], checkpointing, test_samples=scale.test_samples)
+            last = scale.train_samples % micro  # training's epoch ends with this short micro-batch
+            row = run_point(p, micro, hw["device"], checkpointing, test_samples=scale.test_samples, last=last)
             log(
                 f"sweep: micro-batch {micro}{' (checkpointing)' if checkpointing else ''}: "
                 + (f"peak {row['peak_mib']} MiB" if row["fit"] else f"did not fit ({row['error']})")

@@ -16,6 +16,7 @@ from PIL import Image
 from gradaccum.loop import EPOCH_COLUMNS, STEP_COLUMNS
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import write_json, write_table
+from gradaccum.report import tables
 from stages import report
 
 VARIANTS = {
@@ -407,6 +408,7 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     assert "x the groupnorm control's" in found["How much memory does accumulation save?"]
     acc_speed = [1 / 4 * f / g for f, g in zip(ROUND_FACTORS["accumulation"], ROUND_FACTORS["groupnorm"], strict=True)]
     assert f"accumulation ran at {sorted(acc_speed)[1]:.2f} (" in found["What does it cost in speed?"]
+    assert "slower in all 3 rounds (sign test p = 0.25: could be chance)" in found["What does it cost in speed?"]
     assert "at most 7.0e-07 (relative), within float32 rounding" in found["Is it still the same training?"]
     assert "<details><summary>The params that ran (params.yaml)</summary>" in html
     fair = {r["variant"]: r for r in md_table(md, "Speed, measured fairly")}
@@ -478,3 +480,22 @@ def test_report_without_variants_says_what_to_run(workdir: Path) -> None:
         path.unlink()
     with pytest.raises(FileNotFoundError, match="run the train stages first"):
         report.main()
+
+
+@pytest.mark.parametrize(
+    ("per_round", "verdict"),
+    [
+        ([0.8, 0.9, 0.95, 0.7, 0.85], "slower in all 5 rounds (sign test p = 0.062)"),
+        ([1.1, 1.2, 1.05], "faster in all 3 rounds (sign test p = 0.25: could be chance)"),
+        ([0.83, 1.23, 0.86], "not resolved: faster in 1 of 3 rounds, slower in 2"),
+        ([1.0, 1.0, 1.0], "not resolved: faster in 0 of 3 rounds, slower in 0"),
+    ],
+)
+def test_a_speed_difference_is_called_only_when_the_rounds_agree(per_round: list[float], verdict: str) -> None:
+    speed = {
+        "variants": {
+            "groupnorm": {"images_per_s": [100.0] * len(per_round)},
+            "accumulation": {"images_per_s": [100.0 * x for x in per_round]},
+        }
+    }
+    assert tables.speed_verdict(tables.speed_ratios(speed)["accumulation"]).startswith(verdict)

@@ -50,3 +50,39 @@ def test_a_point_that_hangs_times_out(p: params.Params) -> None:
     quick = params.set_values(p.model_dump(), ["memory.sweep_timeout_s=1"])
     with pytest.raises(SweepError, match="still running after memory.sweep_timeout_s = 1"):
         run_point(quick, 64, "cpu", command=python("import time; time.sleep(60)"))
+
+
+def test_a_point_ends_each_pass_with_trainings_short_micro_batch(p: params.Params, monkeypatch) -> None:
+    """The allocator's peak depends on the shapes it served: the point trains the epoch's short last one too."""
+    import torch
+
+    from gradaccum import sweep_point
+
+    seen: list[list[int]] = []
+    real = sweep_point.train_epoch
+
+    def spy(model, opt, scaler, images, labels, order, plan, dtype):  # noqa: ANN001, ANN202
+        seen.append([mb.stop - mb.start for mb in plan])
+        return real(model, opt, scaler, images, labels, order, plan, dtype)
+
+    monkeypatch.setattr(sweep_point, "train_epoch", spy)
+    row = sweep_point.measure_point(p, torch.device("cpu"), 4, test_samples=8, last=3)
+    assert seen == [[4, 3], [4, 3]] and row["fit"] and row["images_per_s"] > 0
+
+
+def test_the_sweep_asks_each_point_for_the_training_remainder(p: params.Params, monkeypatch) -> None:
+    from gradaccum import sweep
+
+    calls = []
+
+    def fake(p, micro, device, checkpointing=False, test_samples=1000, last=0):  # noqa: ANN001, ANN202
+        calls.append((micro, checkpointing, test_samples, last))
+        return {"micro_batch": micro, "checkpointing": checkpointing, "fit": True, "peak_mib": 800.0 + micro}
+
+    monkeypatch.setattr(sweep, "run_point", fake)
+    small = params.set_values(
+        p.model_dump(), ["scales.cpu.train_samples=1000", "scales.cpu.sweep_micro_batches=[64, 256]"]
+    )
+    plan = sweep.sweep(small, {"device": "cpu", "scale": "cpu"}, log=lambda _: None)
+    assert calls[:2] == [(64, False, 1000, 1000 % 64), (256, False, 1000, 1000 % 256)] and len(calls) == 4
+    assert plan["fit"]["per_sample_mib"] == pytest.approx(1.0) and plan["fit"]["points"] == [[64, 864], [256, 1056]]

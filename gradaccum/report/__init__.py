@@ -177,7 +177,10 @@ def speed_section(rep: Report, speed: dict[str, Any]) -> None:
         f"Every variant's training step timed in {speed['rounds']} rounds of {speed['steps']} optimizer step(s) at "
         f"effective batch {speed['batch']}, the variants interleaved in an order that rotates each round (after "
         "one warm-up round), so the machine's drift hits them alike; each ratio is taken within a round, then "
-        "the median and the range over rounds are shown. One process."
+        "the median and the range over rounds are shown. One process. A variant is called faster or slower "
+        "only when every round agrees (a sign test: its p-value is shown, 0.06 for five rounds); otherwise the "
+        "difference is within the rounds' spread, and more rounds (speed.rounds) or steps (speed.steps) would "
+        "resolve a smaller one."
     )
     rep.table(tables.speed_rows(speed))
     figures.throughput(rep, speed)
@@ -213,8 +216,11 @@ def planner_section(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any
     fastest = tables.options_text(planner.this_machine_options(plan)[:1])
     rep.heading("Which card fits: the memory planner")
     rep.text(
-        f"Fit on the sweep: peak = {fit['fixed_mib']:.0f} MiB + {fit['per_sample_mib']:.4f} MiB per sample "
-        f"(r2 {fit['r2']:.4f}), measured as {plan['measure']}. For effective batch {plan['batch']}, leaving "
+        f"The planner predicts from the sweep's peaks ({plan['measure']}): between two measured micro-batches it "
+        "joins their peaks, beyond them it follows the line fitted to all of them, peak = "
+        f"{fit['fixed_mib']:.0f} MiB + {fit['per_sample_mib']:.4f} MiB per sample (r2 {fit['r2']:.4f}); a line "
+        "alone lies under part of a bent curve, the direction that ends in out of memory. For effective batch "
+        f"{plan['batch']}, leaving "
         f"{machine['safety_margin']:.0%} free. On this machine ({machine['memory_mib']} MiB, {machine['what']}), "
         f"accum: auto is {plan['auto_accum']} (with checkpointing: {plan['auto_accum_checkpointing']}); the "
         f"fastest option that fits here: {fastest}. The speeds are the sweep's own (a few steps, warm-up included)."

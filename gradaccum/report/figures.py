@@ -166,23 +166,23 @@ def sweep(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any]]) -> Non
     points["model"] = ["checkpointing" if pt.get("checkpointing") else "plain" for pt in points.to_dict("records")]
     fig, ax = plt.subplots(figsize=(7, 4))
     sns.scatterplot(points, x="micro_batch", y="peak_mib", hue="model", style="model", s=60, ax=ax)
-    xs = [0, max(points["micro_batch"]) * 1.1]
+    xs = sorted({0, *points["micro_batch"].tolist(), max(points["micro_batch"]) * 1.1})
     for key, label, color in (("fit", "plain", "#4c72b0"), ("fit_checkpointing", "checkpointing", "#dd8452")):
         if key in plan:
             f = plan[key]
-            line = f"{label} fit: {f['fixed_mib']:.0f} + {f['per_sample_mib']:.3f} MiB x micro-batch"
+            line = f"{label} planner: points joined, {f['per_sample_mib']:.3f} MiB/sample beyond"
             ax.plot(xs, [predict_mib(f, x) for x in xs], color=color, linewidth=1, label=line)
     on_gpu = plan["device"] == "cuda"
     for card in cards if on_gpu else []:  # the card sizes the planner's table answers for
         ax.axhline(card["usable_mib"], color="#999", linewidth=0.8, linestyle="--")
         ax.annotate(f"{card['card_gb']} GB", (xs[1], card["usable_mib"]), fontsize=8, va="bottom", ha="right")
     ax.set(xlabel="micro-batch size", ylabel="peak memory (MiB)")
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize="small", frameon=False, ncols=2)
     rep.figure(
         "sweep.png",
         fig,
         f"Memory sweep: {plan['measure']} at each micro-batch, plain and with activation checkpointing, with "
-        "the fitted lines"
+        "the planner's prediction (the measured points joined, the fitted slope beyond them)"
         + (" and each card's usable memory (dashed)." if on_gpu else " (host memory: card sizes apply to a GPU run)."),
     )
 
@@ -232,7 +232,7 @@ def gradcheck(rep: Report, grad: dict[str, Any]) -> None:
     ax.axhline(grad["tolerance"], color="#555", linestyle=":", label=f"tolerance {grad['tolerance']:.0e}")
     ax.set(yscale="log", xlabel="accum (micro-batches per step)", ylabel="||g_accum - g_full|| / ||g_full||")
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize="small", frameon=False, ncols=2)
     rep.figure(
         "gradcheck.png",
         fig,

@@ -318,6 +318,7 @@ def speed_rows(speed: dict[str, Any]) -> list[dict[str, Any]]:
                 or row.get("did_not_fit", "-"),
                 "median images/s": fmt(row.get("median_images_per_s"), 1),
                 f"vs {SPEED_REFERENCE}: median (range)": ratio_text(ratios.get(name)),
+                "verdict": speed_verdict(ratios[name]) if name in ratios and name != SPEED_REFERENCE else "-",
             }
         )
     return rows
@@ -380,13 +381,34 @@ def speed_ratios(speed: dict[str, Any], reference: str = SPEED_REFERENCE) -> dic
         if not ref or not mine or len(mine) != len(ref):
             continue
         per_round = [m / r for m, r in zip(mine, ref, strict=True)]
-        out[name] = {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
+        out[name] = {
+            "median": statistics.median(per_round),
+            "min": min(per_round),
+            "max": max(per_round),
+            "rounds": len(per_round),
+            "faster": sum(x > 1 for x in per_round),  # rounds in which it beat the reference
+            "slower": sum(x < 1 for x in per_round),
+        }
     return out
 
 
 def ratio_text(r: dict[str, float] | None) -> str:
     """An interleaved speed ratio: the median over rounds, then its range."""
     return f"{r['median']:.2f} ({r['min']:.2f} to {r['max']:.2f})" if r else "-"
+
+
+def speed_verdict(r: dict[str, float]) -> str:
+    """Whether the rounds agree on the direction: a two-sided sign test, which assumes nothing about the noise.
+
+    With no difference, all of three rounds agree one time in four (p = 0.25), all of five one time in
+    sixteen (p = 0.06): the verdict names the test so a reader can weigh it.
+    """
+    n = int(r["rounds"])
+    for side in ("slower", "faster"):
+        if r[side] == n:
+            p = min(1.0, 2 * 0.5**n)
+            return f"{side} in all {n} rounds (sign test p = {p:.2g}{'' if p <= 0.1 else ': could be chance'})"
+    return f"not resolved: faster in {int(r['faster'])} of {n} rounds, slower in {int(r['slower'])}"
 
 
 def lever_table(results: Results, speed: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -412,6 +434,7 @@ def lever_table(results: Results, speed: dict[str, Any] | None = None) -> list[d
                 "peak memory vs groupnorm": fmt(peak_mib(m) / peak_mib(ref), 2),
                 "memory saved (MiB)": fmt(peak_mib(ref) - peak_mib(m), 0),
                 "throughput vs groupnorm, interleaved: median (range)": ratio_text(ratios.get(name)),
+                "speed verdict": speed_verdict(ratios[name]) if name in ratios else "-",
                 "final train loss": seed_text(m, "final_train_loss"),
                 "test accuracy": seed_text(m, "test_accuracy"),
             }
@@ -481,7 +504,8 @@ def findings(
                 "question": "What does it cost in speed?",
                 "answer": f"accumulation ran at {ratio_text(r)} x the speed of its control, groupnorm (median and "
                 f"range over {speed['rounds']} interleaved rounds of {speed['steps']} optimizer step(s) each)"
-                + (f"; the baseline at {ratio_text(base_r)} x" if base_r else ""),
+                + (f": {speed_verdict(r)}" if r else "")
+                + (f"; the baseline at {ratio_text(base_r)} x: {speed_verdict(base_r)}" if base_r else ""),
             }
         )
     same = []
