@@ -58,6 +58,7 @@ def breakdown(clone: Path, walls: dict[str, float], total: float) -> dict[str, A
         read_json(reports / "sweep/planner.json"),
         read_json(reports / "gradcheck.json"),
         read_json(reports / "speed.json"),
+        read_json(reports / "trace.json"),
     )
     stages = {
         name: {

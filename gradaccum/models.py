@@ -66,7 +66,7 @@ def build_model(
         model.set_grad_checkpointing(True)
     if matmul_depthwise and torch.device(device).type == "cpu":
         use_matmul_depthwise(model)
-    return model.to(device)
+    return model if torch.device(device).type == "cpu" else model.to(device)  # built there; a fake one can't move
 
 
 def count_parameters(model: nn.Module) -> int:

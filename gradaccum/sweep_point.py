@@ -19,6 +19,7 @@ from gradaccum.loop import amp_dtype, evaluate, make_optimizer, make_scaler, tra
 from gradaccum.memory import MIB, is_out_of_memory, peak_rss_mib
 from gradaccum.models import build_model
 from gradaccum.sweep import POINT_COLUMNS
+from gradaccum.trace import check_input
 
 IMAGE_SIZE = 28  # MNIST and Fashion-MNIST alike; memory does not depend on pixel values
 
@@ -90,5 +91,6 @@ if __name__ == "__main__":
     parser.add_argument("--last", type=int, default=0, help="samples in the short last micro-batch of an epoch")
     args = parser.parse_args()
     p = params.Params.model_validate_json(sys.stdin.read())  # validated by the parent already
+    check_input(p)  # the sweep's first point: a model that cannot take the images is refused by name
     row = measure_point(p, torch.device(args.device), args.point, args.checkpointing, args.test_samples, args.last)
     print(json.dumps(row))

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The full study on one CUDA GPU without DVC: the stage commands in order, from a local data folder,
 # no network. Everything it measured lands in OUT: metrics, nvidia-smi snapshots, PyTorch memory snapshots
-# of the first optimizer step of the baseline and the accumulation variant (GPU only), the report.
+# of the first optimizer step of the baseline and the accumulation variant (GPU only), the interleaved
+# speeds, the traced peaks (held in the report against this GPU's allocated, reserved and nvidia-smi
+# peaks), the report.
 #
 #   scripts/gpu_check.sh OUT [DATA_DIR] [-S KEY=VALUE ...]
 #   scripts/gpu_check.sh /tmp/h100 /usr/share/datasets/fashion-mnist -S data.dataset=fashion_mnist
@@ -41,6 +43,8 @@ step stages.hardware
 step stages.download
 step stages.sweep
 step stages.gradcheck
+step stages.speed
+step stages.trace   # the traced peaks, for the report's trace against this GPU's allocated peaks
 for variant in $("$python" -c "import yaml; print(' '.join(yaml.safe_load(open('params.yaml'))['variants']))"); do
   snapshot=()  # on a GPU: PyTorch's memory history up to the first optimizer step, for pytorch.org/memory_viz
   case "$variant" in

@@ -13,6 +13,7 @@ SWEEP_POINTS = Path("reports/sweep/points.tsv")
 GRADCHECK = Path("reports/gradcheck.json")
 GRADCHECK_TSV = Path("reports/gradcheck.tsv")
 SPEED = Path("reports/speed.json")
+TRACE = Path("reports/trace.json")
 VARIANTS = Path("reports/variants")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from gradaccum import params
 from gradaccum.outputs import atomic_path, read_json, write_json, write_text
 from gradaccum.report import Inputs, build, load_variants, tables
-from stages.paths import GRADCHECK, HARDWARE, PROVENANCE, SPEED, SWEEP_PLAN, VARIANTS, variant_dir
+from stages.paths import GRADCHECK, HARDWARE, PROVENANCE, SPEED, SWEEP_PLAN, TRACE, VARIANTS, variant_dir
 
 REPORT_MD = Path("reports/report.md")
 REPORT_HTML = Path("reports/report.html")
@@ -39,6 +39,7 @@ def main() -> None:
         plan=read_json(SWEEP_PLAN) if SWEEP_PLAN.exists() else None,
         grad=read_json(GRADCHECK) if GRADCHECK.exists() else None,
         speed=read_json(SPEED) if SPEED.exists() else None,
+        trace=read_json(TRACE) if TRACE.exists() else None,
         snapshots=snapshots,
         histories=histories,
     )

@@ -48,6 +48,8 @@ def test_gpu_check_script_on_the_cpu_path(tmp_path: Path, fashion_dir: Path) -> 
         assert f"stages.train {variant} --memory-snapshot reports/variants/{variant}/memory_snapshot.pickle" in (
             result.stdout
         )
+    assert (reports / "speed.json").is_file() and (reports / "trace.json").is_file()  # the whole study's outputs
+    assert "## Predicted without a GPU: the traced peak" in (reports / "report.md").read_text()
     provenance = json.loads((reports / "provenance.json").read_text())
     assert provenance["kind"] == "local" and provenance["dataset"] == "fashion_mnist"
     assert (ROOT / "params.yaml").read_bytes() == before  # the checkout's params are untouched

@@ -77,7 +77,7 @@ def repro(repo: tuple[Path, dict[str, str]]) -> str:
 def test_repro_runs_every_stage_and_renders_the_report(repo, repro: str) -> None:
     path, _ = repo
     variants = yaml.safe_load((path / "params.yaml").read_text())["variants"]
-    stages = {"hardware", "download", "sweep", "gradcheck", "speed", "report"}
+    stages = {"hardware", "download", "sweep", "gradcheck", "speed", "trace", "report"}
     assert ran(repro) == stages | {f"train@{v}" for v in variants}
     assert "Falling back to the 5,000-digit MNIST SAMPLE" in repro
     emulated = not json.loads((path / "data/hardware.json").read_text())["cpu"]["native_bfloat16"]
@@ -118,7 +118,7 @@ def test_a_comment_in_the_ddp_module_makes_training_stale(repo, repro: str) -> N
     finally:
         module.write_text(original)
     variants = yaml.safe_load((path / "params.yaml").read_text())["variants"]
-    assert {f"train@{v}" for v in variants} | {"sweep", "gradcheck", "speed"} <= stale
+    assert {f"train@{v}" for v in variants} | {"sweep", "gradcheck", "speed", "trace"} <= stale
     assert not stale & {"download", "report"}
 
 
@@ -128,7 +128,7 @@ def test_exp_run_reruns_only_the_variants_that_follow_accum(repo, repro: str) ->
     variants = yaml.safe_load((path / "params.yaml").read_text())["variants"]
     followers = {f"train@{name}" for name, v in variants.items() if v["accum"] == "accum"}
     assert {"train@accumulation", "train@tutorial_accumulation", "train@accum_checkpointing"} <= followers
-    assert ran(out) == {"hardware", "speed", "report"} | followers  # the baseline and the other controls stay cached
+    assert ran(out) == {"hardware", "speed", "trace", "report"} | followers  # the other variants stay cached
     m = json.loads((path / "reports/variants/accumulation/metrics.json").read_text())
     assert m["accum"] == 2 and m["micro_batch"] == 16
     table = json.dumps(json.loads(run(["dvc", "exp", "show", "--json"], path, env)))

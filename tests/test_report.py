@@ -249,6 +249,7 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
             "stage_seconds": 11.0,
         },
     )
+    write_json(root / "reports/trace.json", trace_fixture(p))
     write_json(
         root / "reports/gradcheck.json",
         {
@@ -269,6 +270,34 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
         },
     )
     return metrics
+
+
+TRACE_FIXED = {
+    "parameters_mib": 15.0,
+    "buffers_mib": 0.0,
+    "gradients_mib": 15.0,
+    "optimizer_mib": 30.0,
+    "data_mib": 45.0,
+}
+
+
+def trace_fixture(p: dict[str, Any]) -> dict[str, Any]:
+    """The trace stage's output: 0.78 MiB per sample at the study scale, 1.5 on the CPU, where the real
+    allocator's peak is the trace's, 10% over it with checkpointing."""
+    rows = []
+    for scale, batch, per_sample in (("study", 32768, 0.78), ("cpu", 256, 1.5)):
+        for name, v in p["variants"].items():
+            accum = 4 if v["accum"] == "accum" else v["accum"]
+            micro = batch // accum
+            row = {"variant": name, "scale": scale, "accum": accum, "micro_batch": micro, "amp": "float16"}
+            row |= TRACE_FIXED | {"activations_mib": per_sample * micro, "temporaries_mib": 0.0}
+            row["peak_mib"] = 105.0 + per_sample * micro
+            if scale == "cpu":
+                row["allocated_peak_mib"] = row["peak_mib"] * (1.1 if v.get("checkpointing") else 1.0)
+            rows.append(row)
+    line = {"fixed_mib": 105.0, "per_sample_mib": 0.78, "r2": 1.0}
+    lines = {"plain": line, "checkpointing": line | {"per_sample_mib": 0.2}}
+    return {"rows": rows, "study_lines": lines, "compute_seconds": 30.0, "stage_seconds": 34.0}
 
 
 def mean_loss(m: dict[str, Any]) -> float:
@@ -414,6 +443,25 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     fair = {r["variant"]: r for r in md_table(md, "Speed, measured fairly")}
     assert set(fair) == set(metrics) and fair["groupnorm"]["vs groupnorm: median (range)"] == "1.00 (1.00 to 1.00)"
 
+    traced = {r["variant"]: r for r in md_table(md, "Predicted without a GPU: the traced peak")}
+    assert set(traced) == set(metrics)
+    assert traced["accumulation"]["traced peak (GiB)"] == f"{(105 + 0.78 * 8192) / 1024:.2f}"
+    if device == "cuda" and metrics["accumulation"]["fit"]:  # the GPU's own figures beside the trace
+        allocated = metrics["accumulation"]["memory"]["torch_max_allocated_mib"]
+        shown = float(traced["accumulation"]["traced / allocated"])
+        assert shown == pytest.approx((105 + 0.78 * 8192) / allocated, abs=1e-3)
+    else:
+        assert "traced / allocated" not in traced["accumulation"]
+    cards_traced = {r["card (GB)"]: r for r in md_table(md, "Predicted without a GPU: the traced peak", 1)}
+    assert cards_traced["8.0"]["plain"].startswith("accum 4 (micro-batch 8192)")  # 105 + 0.78 m <= 7373 MiB
+    validated = {r["variant"]: r for r in md_table(md, "Predicted without a GPU: the traced peak", 2)}
+    assert validated["accumulation"]["verdict"] == "within 5%"
+    assert validated["checkpointing"]["verdict"] == "trace under by 9.1%"
+    assert "Off by more than 5%: checkpointing (-9.1%" in md
+    claimed = {r["tutorial's claim"]: r for r in md_table(md, "The tutorial's claims against this run")}
+    thirty = claimed["about 30 GB at batch 32768 (BatchNorm), in nvidia-smi"]
+    assert thirty["measured"].startswith(f"traced allocation {(105 + 0.78 * 32768) / 1024:.1f} GiB")
+
     planned = {r["variant"]: r for r in md_table(md, "Which card fits: the memory planner", 1)}
     assert set(planned) == set(metrics)
     acc_micro = metrics["accumulation"]["micro_batch"]  # the fixture's fit: 1200 + 1.6 MiB per sample
@@ -463,13 +511,16 @@ def test_report_says_where_the_time_went(workdir: Path) -> None:
     assert float(rows["sweep"]["computation (s)"]) == pytest.approx(6 * 1.5)  # the fixture's points, 1.5 s each
     assert float(rows["gradcheck"]["computation (s)"]) == 7.0
     assert float(rows["speed"]["seconds"]) == 11.0 and float(rows["speed"]["computation (s)"]) == 5.0
+    assert float(rows["trace"]["seconds"]) == 34.0 and float(rows["trace"]["computation (s)"]) == 30.0
     for name, m in metrics.items():
         row = rows[f"train@{name}"]
         assert float(row["seconds"]) == m["stage_seconds"] and float(row["computation (s)"]) == m["train_seconds"]
         assert float(row[rest]) == pytest.approx(m["stage_seconds"] - m["train_seconds"])
     total = rows["all timed stages"]
-    assert float(total["seconds"]) == pytest.approx(30 + 12 + 11 + sum(m["stage_seconds"] for m in metrics.values()))
-    work = 9 + 7 + 5 + sum(m["train_seconds"] for m in metrics.values())
+    assert float(total["seconds"]) == pytest.approx(
+        30 + 12 + 11 + 34 + sum(m["stage_seconds"] for m in metrics.values())
+    )
+    work = 9 + 7 + 5 + 30 + sum(m["train_seconds"] for m in metrics.values())
     assert float(total[rest]) == pytest.approx(float(total["seconds"]) - work)
     assert "This CPU (Test CPU) has no native bfloat16" in md
 

@@ -19,7 +19,7 @@ import yaml
 from gradaccum import planner
 from gradaccum.params import Params
 from gradaccum.records import VariantRecord
-from gradaccum.report import figures, tables
+from gradaccum.report import figures, tables, traced
 from gradaccum.report.document import Report
 
 __all__ = ["Inputs", "Report", "build", "load_variants"]
@@ -37,6 +37,7 @@ class Inputs:
     plan: dict[str, Any] | None = None  # the sweep's result
     grad: dict[str, Any] | None = None  # the gradient check's
     speed: dict[str, Any] | None = None  # the speed stage's interleaved rounds
+    trace: dict[str, Any] | None = None  # the trace stage's peaks, both scales
     snapshots: dict[str, str] | None = None  # variant -> nvidia-smi text at its peak (GPU)
     histories: dict[str, tuple[str, int]] | None = None  # variant -> (PyTorch memory snapshot file, bytes)
 
@@ -74,7 +75,9 @@ def build(inputs: Inputs) -> Report:
     rep.table(tables.findings(inputs.results, inputs.grad, inputs.plan, hw["device"], inputs.speed))
     rep.heading("The tutorial's claims against this run")
     study_on_gpu = hw["scale"] == "study" and hw["device"] == "cuda"
-    rep.table(tables.claims_table(inputs.results, study_on_gpu, inputs.grad, inputs.plan))
+    claims = tables.claims_table(inputs.results, study_on_gpu, inputs.grad, inputs.plan)
+    tutorial_rows = traced.tutorial_claims(inputs.trace, inputs.results, study_on_gpu) if inputs.trace else []
+    rep.table(claims[:2] + tutorial_rows + claims[2:])  # the tutorial's GPU figures, then the trace beside them
     rep.text(tables.steps_note(p, hw["scale"]))
     seed_section(rep, inputs.results, p.seeds)
     lever_section(rep, inputs.results, inputs.speed)
@@ -90,6 +93,8 @@ def build(inputs: Inputs) -> Report:
         gradcheck_section(rep, inputs.grad)
     if inputs.plan:
         planner_section(rep, inputs.plan, cards, inputs.results)
+    if inputs.trace:
+        trace_section(rep, inputs)
     if hw["device"] == "cuda":
         nvidia_smi_section(rep, inputs)
     time_section(rep, inputs)
@@ -211,6 +216,49 @@ def nvidia_smi_section(rep: Report, inputs: Inputs) -> None:
             )
 
 
+def trace_section(rep: Report, inputs: Inputs) -> None:
+    """The traced peaks: the study scale by kind (against the GPU's figures where one ran), the GPU card table
+    from the trace, and the CPU scale held against real allocations."""
+    hw, p, trace = inputs.hardware, inputs.params, inputs.trace
+    on_gpu = hw["scale"] == "study" and hw["device"] == "cuda"
+    study = p.scale_settings("study")
+    rep.heading("Predicted without a GPU: the traced peak")
+    rep.text(
+        "Each variant's training step run on fake tensors (shapes, no storage) under PyTorch's MemTracker, which "
+        "sorts the bytes live at the step's peak by kind: `dvc repro trace` on any machine, `python -m "
+        "gradaccum.cards` for other params. The trace counts the tensors the step holds; a GPU adds the CUDA "
+        "context, cuDNN workspaces and the caching allocator's reserve, which nvidia-smi shows and the trace cannot."
+        + (
+            " Beside it, what this GPU measured."
+            if on_gpu
+            else " No GPU ran here: the GPU's own figures are unknown, and the goal (the trace within 5% of "
+            "torch.cuda.max_memory_allocated) waits for `scripts/gpu_check.sh` on one."
+        )
+    )
+    rep.table(traced.study_rows(trace, inputs.results, on_gpu))
+    rep.text(
+        f"GPU cards at the study scale (effective batch {study.batch}), from the trace: the fewest micro-batches "
+        f"whose traced peak fits in the card less {p.memory.safety_margin:.0%}, which must hold the CUDA context "
+        "and the allocator's cache"
+        + (" (measured on this GPU in the sweep's points)." if on_gpu else " (unmeasured: no GPU ran here).")
+    )
+    rep.table(traced.card_rows(trace, study.batch, p.memory.cards_gb, p.memory.safety_margin))
+    cpu_results = inputs.results if hw["scale"] == "cpu" else {}
+    rep.text(
+        "The CPU scale, where the trace can be held against real tensors: the same step run for real with the "
+        "profiler recording every allocation and free of PyTorch's CPU allocator (its peak, kernels' own "
+        "workspaces included)"
+        + (
+            "; and the training run's peak RSS less the sweep's fixed part (a fit), which is not the live "
+            "tensors: the C library keeps freed blocks in its heap, so the two differ either way."
+            if cpu_results
+            else "."
+        )
+    )
+    rep.table(traced.cpu_rows(trace, cpu_results, inputs.plan))
+    rep.text(traced.cpu_note(trace))
+
+
 def planner_section(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any]], results: tables.Results) -> None:
     machine, fit = plan["this_machine"], plan["fit"]
     fastest = tables.options_text(planner.this_machine_options(plan)[:1])
@@ -240,7 +288,7 @@ def planner_section(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any
 
 
 def time_section(rep: Report, inputs: Inputs) -> None:
-    rows = tables.time_rows(inputs.results, inputs.plan, inputs.grad, inputs.speed)
+    rows = tables.time_rows(inputs.results, inputs.plan, inputs.grad, inputs.speed, inputs.trace)
     if not rows:
         return
     rep.heading("Where this run's time went")

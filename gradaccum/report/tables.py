@@ -625,25 +625,31 @@ def stage_times(
     plan: dict[str, Any] | None,
     grad: dict[str, Any] | None,
     speed: dict[str, Any] | None = None,
+    trace: dict[str, Any] | None = None,
 ) -> dict[str, tuple[float, float]]:
     """Each timed stage's process seconds and, of those, the study's own computation: the sweep's points,
     the gradient check, the timed rounds, each variant's training loop. The rest is start-up, evaluation,
     sampling, writing."""
-    plan, grad, speed = plan or {}, grad or {}, speed or {}
+    plan, grad, speed, trace = plan or {}, grad or {}, speed or {}, trace or {}
     stages = {
         "sweep": (plan.get("stage_seconds"), sum(r.get("seconds") or 0 for r in plan.get("points", []))),
         "gradcheck": (grad.get("stage_seconds"), grad.get("compute_seconds")),
         "speed": (speed.get("stage_seconds"), speed.get("compute_seconds")),
+        "trace": (trace.get("stage_seconds"), trace.get("compute_seconds")),
         **{f"train@{n}": (m.stage_seconds, m.train_seconds) for n, m in records.items()},
     }
     return {name: (total, work or 0.0) for name, (total, work) in stages.items() if total is not None}
 
 
 def time_rows(
-    results: Results, plan: dict[str, Any] | None, grad: dict[str, Any] | None, speed: dict[str, Any] | None = None
+    results: Results,
+    plan: dict[str, Any] | None,
+    grad: dict[str, Any] | None,
+    speed: dict[str, Any] | None = None,
+    trace: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Where this run's time went: each timed stage's process, and the study's computation's share of it."""
-    timed = stage_times({n: r.record for n, r in results.items()}, plan, grad, speed)
+    timed = stage_times({n: r.record for n, r in results.items()}, plan, grad, speed, trace)
     if not timed:
         return []
     whole, work = sum(t for t, _ in timed.values()), sum(w for _, w in timed.values())

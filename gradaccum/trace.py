@@ -1,0 +1,264 @@
+"""Peak memory of a training step, traced without allocating any: what a GPU would hold, on any machine.
+
+Under FakeTensorMode a tensor has a shape, a dtype and a device but no storage, so a step of the
+tutorial's baseline (batch 32,768) traces in seconds on a laptop. PyTorch's MemTracker (a private API of
+torch.distributed._tools, pinned by tests/test_trace.py) sees every tensor the step creates and sorts the
+bytes live at the peak into parameters, buffers, gradients, optimizer state, activations and
+temporaries. Should it break, a TorchDispatchMode that adds up output storages would do the same job.
+
+What the trace cannot see, a GPU adds: the CUDA context, cuDNN and cuBLAS workspaces (allocated outside
+PyTorch's dispatcher) and the caching allocator's rounding and slack; nvidia-smi shows all of them.
+Fake CUDA tensors need a driver for backward ("hasPrimaryContext expects a valid device index"), so the
+trace runs on fake CPU tensors, under autocast with the dtype the GPU run uses.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+from gradaccum.accumulation import micro_batch_size
+from gradaccum.loop import amp_dtype, make_optimizer, normalize
+from gradaccum.memory import MIB
+from gradaccum.models import build_model
+from gradaccum.params import Params, variant_accum_steps
+
+IMAGE_SIZE = 28  # MNIST and Fashion-MNIST alike
+KINDS = {  # MemTracker's names for what holds memory -> ours
+    "Parameter": "parameters",
+    "Buffer": "buffers",
+    "Gradient": "gradients",
+    "Optstate": "optimizer",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Other": "data",
+}
+DEVICES = {"study": "cuda", "cpu": "cpu"}  # where each scale trains: its dtype and its model's kernels
+
+
+class PeakTracker(MemTracker):
+    """MemTracker keeping the whole step's peak only: its per-module peaks, updated on every operation for
+    every module (about 250 here), made a trace 4x slower (3.5 s against 0.9 s an efficientnet_b0 step)."""
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
+                self._peak_mem[device] = snapshot[_TOTAL_KEY]
+                self._peak_mem_snap[device] = dict(snapshot)
+
+
+class ModelInputError(ValueError):
+    """The model cannot take the data's images (28x28, one channel)."""
+
+
+def steady_optimizer(model: nn.Module, accum: int) -> torch.optim.Optimizer:
+    """AdamW as every micro-batch after the first step finds it: its two moments made, and with accum > 1
+    the window's gradients held (accum 1 frees them after each step: zero_grad(set_to_none=True))."""
+    opt = make_optimizer(model, lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    if accum == 1:
+        opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, micro: int, num_classes: int, dtype: torch.dtype | None) -> None:
+    """One micro-batch's forward and backward as the loop runs it, then the optimizer step that ends a window.
+
+    The loop's loss weighting and GradScaler hold no tensors of any size (the scaler unscales in place),
+    so the peak is this one's.
+    """
+    images = torch.empty(micro, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
+    labels = torch.empty(micro, dtype=torch.long).random_(num_classes)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        loss = F.cross_entropy(model(normalize(images)), labels)
+    loss.backward()
+    del loss, images, labels
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def trace_step(
+    build: Callable[[], nn.Module], micro: int, accum: int, num_classes: int, dtype: torch.dtype | None, data: int = 0
+) -> dict[str, float]:
+    """MiB live at the peak of a steady-state step on fake tensors, in total and by kind.
+
+    `data` uint8 images stay resident, as training keeps its dataset on the device.
+    """
+    with FakeTensorMode():
+        model = build()
+        opt = steady_optimizer(model, accum)
+        dataset = torch.empty(data, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
+        tracker = PeakTracker()
+        tracker.track_external(model, opt, dataset)
+        with tracker:
+            step(model, opt, micro, num_classes, dtype)
+        (peak,) = tracker.get_tracker_snapshot("peak").values()  # one device
+    kinds = {ours: peak.get(theirs, 0) / MIB for theirs, ours in KINDS.items()}
+    return {"peak_mib": sum(kinds.values()), **{f"{k}_mib": v for k, v in kinds.items()}}
+
+
+def allocated_peak_mib(
+    build: Callable[[], nn.Module], micro: int, accum: int, num_classes: int, dtype: torch.dtype | None, data: int = 0
+) -> float:
+    """The same step on real CPU tensors: the peak of what PyTorch's CPU allocator handed out, from the
+    profiler's record of every allocation and free (kernels' own workspaces included, which a trace misses)."""
+    profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with quiet_native_stderr(), profile as prof:
+        model = build()
+        opt = steady_optimizer(model, accum)
+        dataset = torch.empty(data, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
+        step(model, opt, micro, num_classes, dtype)
+        del model, opt, dataset
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()  # negative for a free
+        peak = max(peak, live)
+    return peak / MIB
+
+
+@contextlib.contextmanager
+def quiet_native_stderr() -> Iterator[None]:
+    """The profiler's C++ side prints two log lines a run (and a CUDA build without a GPU an error) to fd 2."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def builder(
+    p: Params, device_type: str, norm: str, swap: str = "keep_act", checkpointing: bool = False
+) -> Callable[[], nn.Module]:
+    """The model as `device_type` trains it: on the CPU with matrix-product depthwise convolutions."""
+    return partial(
+        build_model,
+        **p.model.model_dump(),
+        norm=norm,
+        seed=p.seed,
+        swap=swap,
+        checkpointing=checkpointing,
+        device="cpu",
+        matmul_depthwise=device_type == "cpu",
+    )
+
+
+def variant_builder(p: Params, variant: str, device_type: str) -> Callable[[], nn.Module]:
+    v = p.variants[variant]
+    return builder(p, device_type, v.norm, v.swap, v.checkpointing)
+
+
+def check_input(p: Params) -> None:
+    """Refuse, before any work, a model that cannot take one 28x28 single-channel image (traced, not run)."""
+    build = partial(build_model, **p.model.model_dump(), norm="batch", seed=0, device="cpu")
+    try:
+        with FakeTensorMode(), torch.no_grad():
+            build().eval()(torch.empty(1, p.model.in_chans, IMAGE_SIZE, IMAGE_SIZE))
+    except Exception as err:  # timm's models fail in many ways on a too-small or wrong input
+        raise ModelInputError(
+            f"params.yaml: model.name = {p.model.name!r} cannot take the data's {IMAGE_SIZE}x{IMAGE_SIZE} "
+            f"single-channel images ({type(err).__name__}: {str(err).splitlines()[0][:160]}); allowed: a timm "
+            "model whose forward accepts them, e.g. efficientnet_b0, resnet18"
+        ) from None
+
+
+def trace_variant(p: Params, variant: str, scale: str, allocated: bool = False) -> dict[str, Any]:
+    """The traced peak of one variant at one scale, with its breakdown; `allocated` adds the real CPU run's."""
+    s, device_type = p.scale_settings(scale), DEVICES[scale]
+    row: dict[str, Any] = {"variant": variant, "scale": scale}
+    if p.variants[variant].accum == "accum" and p.accum == "auto":  # decided against a device's memory
+        return row | {"note": "accum: auto is decided on the device that runs it; see python -m gradaccum.cards"}
+    accum = variant_accum_steps(p, variant)
+    micro = micro_batch_size(s.batch, accum)
+    dtype = amp_dtype(torch.device(device_type), p.train, p.variants[variant].precision)
+    build = variant_builder(p, variant, device_type)
+    args = (build, micro, accum, p.model.num_classes, dtype, s.train_samples + s.test_samples)
+    row |= {"accum": accum, "micro_batch": micro, "amp": str(dtype).replace("torch.", "") if dtype else "float32"}
+    row |= trace_step(*args)
+    if allocated:
+        row["allocated_peak_mib"] = allocated_peak_mib(*args)
+    return row
+
+
+def peak_line(
+    build: Callable[[], nn.Module], dtype: torch.dtype | None, micros: tuple[int, int], num_classes: int, data: int
+) -> dict[str, float]:
+    """The traced peak as a line in the micro-batch (the planner's `fit` format), from two sizes.
+
+    The peak is the larger of the optimizer step's (flat) and backward's (growing exactly with the batch):
+    two sizes where backward sets it give the line exactly, and a chord across both parts lies above the
+    peak between them. Traced with a window's gradients held (accum > 1), the larger of the two steady
+    states, so a suggested accum never falls short.
+    """
+    low, high = (trace_step(build, m, 2, num_classes, dtype, data)["peak_mib"] for m in micros)
+    per_sample = (high - low) / (micros[1] - micros[0])
+    return {"fixed_mib": low - per_sample * micros[0], "per_sample_mib": per_sample, "r2": 1.0}
+
+
+def variant_line(p: Params, variant: str, scale: str) -> dict[str, float]:
+    """`peak_line` of the variant's model and precision, between the scale's smallest and largest sweep sizes."""
+    s, device_type = p.scale_settings(scale), DEVICES[scale]
+    dtype = amp_dtype(torch.device(device_type), p.train, p.variants[variant].precision)
+    micros = (s.sweep_micro_batches[0], s.sweep_micro_batches[-1])
+    return peak_line(
+        variant_builder(p, variant, device_type), dtype, micros, p.model.num_classes, s.train_samples + s.test_samples
+    )
+
+
+def lever_line(p: Params, scale: str, checkpointing: bool) -> dict[str, float]:
+    """`peak_line` of the GroupNorm model at the default precision: the planner's two levers, as the sweep's."""
+    s, device_type = p.scale_settings(scale), DEVICES[scale]
+    build = builder(p, device_type, "group", checkpointing=checkpointing)
+    micros = (s.sweep_micro_batches[0], s.sweep_micro_batches[-1])
+    dtype = amp_dtype(torch.device(device_type), p.train)
+    return peak_line(build, dtype, micros, p.model.num_classes, s.train_samples + s.test_samples)
+
+
+def _job(p: Params, job: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
+    """One unit of `trace_all`'s work, in a worker process (one thread: two workers share two cores)."""
+    torch.set_num_threads(1)
+    kind, *args = job
+    if kind == "variant":
+        variant, scale = args
+        return job, trace_variant(p, variant, scale, allocated=scale == "cpu")
+    return job, lever_line(p, "study", checkpointing=args[0] == "checkpointing")
+
+
+def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every variant at both scales (the CPU scale with the real allocator's peak beside the trace), and the
+    GroupNorm model's line per lever at the study scale, for the GPU card table; in `workers` processes."""
+    jobs = [("variant", v, scale) for scale in DEVICES for v in p.variants]
+    jobs += [("line", lever) for lever in ("plain", "checkpointing")]
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of a process with threads
+    start = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        done = dict(pool.map(partial(_job, p), jobs))
+    seconds = time.perf_counter() - start  # the workers' start-up (imports) included
+    rows = [done[job] for job in jobs if job[0] == "variant"]
+    for row in rows:
+        log(f"trace: {row['variant']} at the {row['scale']} scale: {row.get('peak_mib', 0):.0f} MiB")
+    return {
+        "rows": rows,
+        "study_lines": {lever: done[("line", lever)] for lever in ("plain", "checkpointing")},
+        "torch": torch.__version__,
+        "compute_seconds": seconds,
+    }

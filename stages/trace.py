@@ -1,0 +1,28 @@
+"""Stage `trace`: every variant's peak memory at both scales, traced without a GPU (gradaccum/trace.py).
+
+Runs on any machine, re-runs only when what it traces changes (the model, the variants, the scales'
+batches, the precisions), and refuses a model that cannot take the data's images before anything else.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from gradaccum import params, trace
+from gradaccum.machine import process_seconds
+from gradaccum.outputs import write_json
+from stages.paths import TRACE
+
+
+def main() -> None:
+    p = params.load()
+    trace.check_input(p)
+    result = trace.trace_all(p, log=lambda line: print(line, flush=True))
+    write_json(TRACE, result | {"stage_seconds": process_seconds()})
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (params.ParamsError, trace.ModelInputError) as err:
+        sys.exit(f"error: {err}")

@@ -1,0 +1,89 @@
+"""The traced peak (fake tensors, PyTorch's MemTracker) against a hand count and against real allocations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+
+from gradaccum import params, trace
+from gradaccum.memory import MIB
+
+ROOT = Path(__file__).resolve().parent.parent
+PIXELS, CLASSES = 28 * 28, 1000
+P = PIXELS * CLASSES * 4  # the linear model's float32 weight, in bytes
+
+
+def linear() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(PIXELS, CLASSES, bias=False))
+
+
+def test_the_private_api_the_trace_reads_is_still_there() -> None:
+    """MemTracker is private: these are the names gradaccum/trace.py relies on."""
+    assert {kind.value for kind in _MemRefType} == set(trace.KINDS) and _TOTAL_KEY == "Total"
+    tracker = trace.PeakTracker()
+    assert isinstance(tracker, MemTracker) and tracker._peak_mem == {} and tracker._curr_mem_snap == {}
+    assert callable(MemTracker._update_peak_stats) and callable(tracker.get_tracker_snapshot)
+
+
+def test_a_linear_models_step_traces_to_the_hand_count() -> None:
+    """Micro-batch 1: the peak is in AdamW's step: weight, gradient, two moments, two temporaries of the
+    weight's size (the foreach implementation), the step counter (4 bytes), and the resident data."""
+    data = 1000
+    r = trace.trace_step(linear, micro=1, accum=2, num_classes=10, dtype=None, data=data)
+    assert r["parameters_mib"] * MIB == P and r["gradients_mib"] * MIB == P and r["data_mib"] * MIB == data * PIXELS
+    assert r["optimizer_mib"] * MIB == 4 * P + 4
+    assert r["peak_mib"] * MIB == 6 * P + 4 + data * PIXELS
+
+
+def test_a_linear_models_activations_are_the_tensors_backward_needs() -> None:
+    """Micro-batch m: the uint8 images, the normalised input the linear layer saves, the logits, the labels,
+    and the two scalars (loss, its weighting) live at the peak in backward."""
+    m = 512
+    r = trace.trace_step(linear, micro=m, accum=2, num_classes=10, dtype=None)
+    assert r["activations_mib"] * MIB == m * PIXELS + m * PIXELS * 4 + m * CLASSES * 4 + m * 8 + 8
+
+
+def test_the_real_allocators_peak_equals_the_trace() -> None:
+    """The same step on real CPU tensors, every allocation recorded by the profiler: not a byte apart."""
+    traced = trace.trace_step(linear, micro=512, accum=2, num_classes=10, dtype=None, data=100)["peak_mib"]
+    assert trace.allocated_peak_mib(linear, micro=512, accum=2, num_classes=10, dtype=None, data=100) == traced
+
+
+def test_efficientnet_at_the_cpu_scale_is_within_1pct_of_real_allocations() -> None:
+    p = params.load(ROOT / "params.yaml")
+    build = trace.variant_builder(p, "accumulation", "cpu")
+    traced = trace.trace_step(build, 64, 4, 10, None)["peak_mib"]
+    assert traced == pytest.approx(trace.allocated_peak_mib(build, 64, 4, 10, None), rel=0.01)
+
+
+def test_the_traced_peak_is_a_line_in_the_micro_batch_once_backward_sets_it() -> None:
+    """Below ~400 samples the linear model's peak is AdamW's step (flat), above it backward's (growing):
+    two sizes in the growing part give the line exactly; the chord over both parts lies above the peak."""
+    predict = trace.peak_line(linear, None, (1024, 4096), 10, 0)
+    at_2048 = trace.trace_step(linear, 2048, 2, 10, None)["peak_mib"]
+    assert predict["fixed_mib"] + predict["per_sample_mib"] * 2048 == pytest.approx(at_2048, rel=1e-9)
+    chord = trace.peak_line(linear, None, (1, 1024), 10, 0)
+    at_256 = trace.trace_step(linear, 256, 2, 10, None)["peak_mib"]
+    assert chord["fixed_mib"] + chord["per_sample_mib"] * 256 >= at_256
+
+
+def test_float16_autocast_halves_what_the_convolutions_keep() -> None:
+    p = params.load(ROOT / "params.yaml")
+    build = trace.variant_builder(p, "groupnorm", "cuda")
+    full = trace.trace_step(build, 256, 1, 10, None)["activations_mib"]
+    half = trace.trace_step(build, 256, 1, 10, torch.float16)["activations_mib"]
+    assert 0.4 < half / full < 0.75
+
+
+def test_a_model_that_cannot_take_the_images_is_refused_by_name() -> None:
+    raw = params.read(ROOT / "params.yaml")
+    vit = params.set_values(raw, ["model.name=vit_tiny_patch16_224"])
+    with pytest.raises(
+        trace.ModelInputError, match=r"model.name = 'vit_tiny_patch16_224' cannot take the data's 28x28"
+    ):
+        trace.check_input(vit)
+    trace.check_input(params.set_values(raw, ["model.name=resnet18"]))  # any model that takes them passes
