@@ -90,7 +90,8 @@ def variant_outputs(
         "lr": lr,
         "scale": "study" if cuda else "cpu",
         "device": device,
-        "amp": "float16" if cuda else "float32",
+        "amp": ("float32" if name == "groupnorm_precision" else "float16") if cuda else "float32",
+        "precision": "other" if name == "groupnorm_precision" else "default",
         "train_samples": 60000 if cuda else 4000,
         "test_samples": 10000 if cuda else 1000,
         "dataset": "mirror",
@@ -290,8 +291,9 @@ def trace_fixture(p: dict[str, Any]) -> dict[str, Any]:
             accum = 4 if v["accum"] == "accum" else v["accum"]
             micro = batch // accum
             row = {"variant": name, "scale": scale, "accum": accum, "micro_batch": micro, "amp": "float16"}
-            row |= TRACE_FIXED | {"activations_mib": per_sample * micro, "temporaries_mib": 0.0}
-            row["peak_mib"] = 105.0 + per_sample * micro
+            twice = 2 if name == "groupnorm_precision" else 1  # float32 keeps twice float16's activations
+            row |= TRACE_FIXED | {"activations_mib": twice * per_sample * micro, "temporaries_mib": 0.0}
+            row["peak_mib"] = 105.0 + twice * per_sample * micro
             if scale == "cpu":
                 row["allocated_peak_mib"] = row["peak_mib"] * (1.1 if v.get("checkpointing") else 1.0)
             rows.append(row)
@@ -476,6 +478,12 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     assert planned[too_big]["verdict"].startswith("did not fit: out of memory")
     if device == "cpu":
         assert planned["groupnorm_precision"]["verdict"].startswith("not run: this CPU has no bfloat16 kernels")
+    else:  # the sweep's figure plus what the trace says float32 adds over its float16 twin, groupnorm
+        shift = 0.78 * 32768
+        assert planned["groupnorm_precision"]["from"] == f"sweep {shift:+.0f} MiB traced for float32 (vs groupnorm)"
+        assert float(planned["groupnorm_precision"]["predicted (MiB)"]) == pytest.approx(
+            1200 + 1.6 * 32768 + shift, abs=1
+        )
     grad = md_table(md, "Is the accumulated gradient the large-batch gradient?")
     assert [float(r["relative difference"]) for r in grad] == [3e-7, 1.3]
     # The card table is the report's, from the sweep's fits and memory.cards_gb; worked out by hand for 8 GB

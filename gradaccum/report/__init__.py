@@ -92,7 +92,7 @@ def build(inputs: Inputs) -> Report:
     if inputs.grad:
         gradcheck_section(rep, inputs.grad)
     if inputs.plan:
-        planner_section(rep, inputs.plan, cards, inputs.results)
+        planner_section(rep, inputs.plan, cards, inputs.results, inputs.trace)
     if inputs.trace:
         trace_section(rep, inputs)
     if hw["device"] == "cuda":
@@ -259,7 +259,13 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
     rep.text(traced.cpu_note(trace))
 
 
-def planner_section(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any]], results: tables.Results) -> None:
+def planner_section(
+    rep: Report,
+    plan: dict[str, Any],
+    cards: list[dict[str, Any]],
+    results: tables.Results,
+    trace: dict[str, Any] | None = None,
+) -> None:
     machine, fit = plan["this_machine"], plan["fit"]
     fastest = tables.options_text(planner.this_machine_options(plan)[:1])
     rep.heading("Which card fits: the memory planner")
@@ -284,7 +290,7 @@ def planner_section(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any
         "process) and the peak the run measured. A prediction under the measurement by more than the safety "
         "margin is flagged: that is the direction that ends in an out-of-memory error."
     )
-    rep.table(tables.planner_rows(results, plan))
+    rep.table(tables.planner_rows(results, plan, trace))
 
 
 def time_section(rep: Report, inputs: Inputs) -> None:

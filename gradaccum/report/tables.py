@@ -556,11 +556,28 @@ def card_rows(cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def planner_rows(results: Results, plan: dict[str, Any]) -> list[dict[str, Any]]:
+def precision_shift_mib(results: Results, name: str, trace: dict[str, Any] | None) -> tuple[float, str] | None:
+    """What the other precision changes, from the trace: the variant's traced peak less that of the variant
+    that differs from it in precision alone (same norm, swap, checkpointing, micro-batch), at the run's scale;
+    with the name of that variant. None without a trace or such a twin."""
+    if not trace:
+        return None
+    m = results[name].record
+    traced = {r["variant"]: r for r in trace["rows"] if r["scale"] == m.scale and "peak_mib" in r}
+    for other, r in results.items():
+        o = r.record
+        twin = (o.norm, o.swap, o.checkpointing, o.micro_batch) == (m.norm, m.swap, m.checkpointing, m.micro_batch)
+        if twin and o.precision == "default" and name in traced and other in traced:
+            return traced[name]["peak_mib"] - traced[other]["peak_mib"], other
+    return None
+
+
+def planner_rows(results: Results, plan: dict[str, Any], trace: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Every variant: the planner's prediction for its micro-batch against its measured training peak.
 
     A prediction under the measurement by more than the safety margin is flagged: that is the direction that
-    ends in an out-of-memory error. The fit is GroupNorm's at the default precision; other precisions have none.
+    ends in an out-of-memory error. The sweep runs GroupNorm at the default precision; a variant at the other
+    precision is predicted as the sweep's figure plus what the trace says the precision changes.
     """
     margin, rows = plan["this_machine"]["safety_margin"], []
     for name, r in results.items():
@@ -569,16 +586,21 @@ def planner_rows(results: Results, plan: dict[str, Any]) -> list[dict[str, Any]]
         if not m.fit or model is None:
             rows.append({"variant": name, "verdict": m.why_not() or "no fit for this lever"})
             continue
+        predicted, how = predict_mib(model, m.micro_batch), "sweep"
         if m.precision != "default":
-            rows.append({"variant": name, "verdict": f"no fit for {m.amp}: the sweep runs the default precision"})
-            continue
-        predicted, measured = predict_mib(model, m.micro_batch), peak_mib(m)
+            shift = precision_shift_mib(results, name, trace)
+            if shift is None:
+                rows.append({"variant": name, "verdict": f"no fit for {m.amp}: the sweep runs the default precision"})
+                continue
+            predicted, how = predicted + shift[0], f"sweep {shift[0]:+.0f} MiB traced for {m.amp} (vs {shift[1]})"
+        measured = peak_mib(m)
         under = (measured - predicted) / measured
         rows.append(
             {
                 "variant": name,
                 "micro-batch": m.micro_batch,
                 "predicted (MiB)": fmt(predicted, 0),
+                "from": how,
                 "measured (MiB)": fmt(measured, 0),
                 "predicted / measured": fmt(predicted / measured, 3),
                 "verdict": f"UNDER by {under:.1%}, more than the {margin:.0%} margin"
