@@ -122,6 +122,8 @@ def main() -> None:
         if args.keep:
             keep_out = shutil.ignore_patterns("reference")  # the committed references are not this run's
             shutil.copytree(clone / "reports", args.keep, ignore=keep_out)
+            for name in ("data/hardware.json", "data/provenance.json", "params.yaml"):  # to re-render its report
+                shutil.copy(clone / name, args.keep)
     result |= {
         "overrides": args.overrides,
         "commit": subprocess.run(

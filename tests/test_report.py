@@ -463,6 +463,11 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     claimed = {r["tutorial's claim"]: r for r in md_table(md, "The tutorial's claims against this run")}
     thirty = claimed["about 30 GB at batch 32768 (BatchNorm), in nvidia-smi"]
     assert thirty["measured"].startswith(f"traced allocation {(105 + 0.78 * 32768) / 1024:.1f} GiB")
+    fourteen = claimed["about 13.7 GB with 8192 x 4 (GroupNorm), in nvidia-smi"]["verdict"]
+    left = 13.7 - (105 + 0.78 * 8192) / 1024  # more than the traced 6.3 GiB itself
+    assert fourteen.endswith(
+        f"the other {left:.1f} GB, more than the step's own tensors, are unexplained without a GPU run"
+    )
 
     planned = {r["variant"]: r for r in md_table(md, "Which card fits: the memory planner", 1)}
     assert set(planned) == set(metrics)

@@ -131,11 +131,11 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool) -> li
         else:
             extra = "what nvidia-smi adds (CUDA context, cuDNN workspaces, the allocator's cache): unknown, no GPU ran"
         left = gb - traced
-        verdict = f"the step's tensors are {traced / gb:.0%} of the claim; the other {left:.1f} GB are not " + (
-            "tensors the step holds: a CUDA context takes a few hundred MB, the rest would be the caching "
-            "allocator's reserve and cuDNN workspaces, unmeasured without a GPU"
+        verdict = f"the step's tensors are {traced / gb:.0%} of the claim; " + (
+            f"the other {left:.1f} GB are not tensors the step holds: a CUDA context takes a few hundred MB, the "
+            "rest would be the caching allocator's reserve and cuDNN workspaces, unmeasured without a GPU"
             if left < traced
-            else "more than the step's own tensors: unexplained without a GPU run"
+            else f"the other {left:.1f} GB, more than the step's own tensors, are unexplained without a GPU run"
         )
         out.append(
             {
