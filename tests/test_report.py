@@ -458,6 +458,8 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     assert cards_traced["8.0"]["plain"].startswith("accum 4 (micro-batch 8192)")  # 105 + 0.78 m <= 7373 MiB
     validated = {r["variant"]: r for r in md_table(md, "Predicted without a GPU: the traced peak", 2)}
     assert validated["accumulation"]["verdict"] == "within 5%"
+    assert validated["accumulation"]["activations, temporaries"] == f"{1.5 * 64:.0f}"  # the breakdown, both scales
+    assert validated["accumulation"]["weights, gradients, optimizer, data"] == "105"
     assert validated["checkpointing"]["verdict"] == "trace under by 9.1%"
     assert "Off by more than 5%: checkpointing (-9.1%" in md
     claimed = {r["tutorial's claim"]: r for r in md_table(md, "The tutorial's claims against this run")}

@@ -63,6 +63,8 @@ def cpu_rows(trace: dict[str, Any], results: Results, plan: dict[str, Any] | Non
             "variant": name,
             "accum x micro-batch": f"{r['accum']} x {r['micro_batch']}",
             "traced (MiB)": fmt(r["peak_mib"], 0),
+            "activations, temporaries": fmt(r["activations_mib"] + r["temporaries_mib"], 0),
+            "weights, gradients, optimizer, data": fmt(sum(r[k] for k in FIXED_KINDS), 0),
             "allocated, real tensors (MiB)": fmt(allocated, 0),
             "traced / allocated": fmt(r["peak_mib"] / allocated, 3),
             "verdict": "within 5%" if abs(off) <= 0.05 else f"trace {'over' if off > 0 else 'under'} by {abs(off):.1%}",
