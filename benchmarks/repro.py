@@ -120,7 +120,7 @@ def main() -> None:
         walls, total = timed_repro(clone)
         result = breakdown(clone, walls, total)
         if args.keep:
-            keep_out = shutil.ignore_patterns("reference")  # the committed references are not this run's
+            keep_out = shutil.ignore_patterns("reference", ".gitignore")  # not this run's; DVC's would hide it
             shutil.copytree(clone / "reports", args.keep, ignore=keep_out)
             for name in ("data/hardware.json", "data/provenance.json", "params.yaml"):  # to re-render its report
                 shutil.copy(clone / name, args.keep)
