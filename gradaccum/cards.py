@@ -33,12 +33,13 @@ def answer(p: params.Params, variants: list[str], cards_gb: list[float], scale: 
             "accum x micro-batch": f"{traced['accum']} x {traced['micro_batch']}" if peak else "auto",
             "traced GiB": peak / 1024 if peak else math.nan,  # shown as -
         }
-        line = trace.variant_line(p, variant, scale)
+        line = None  # two more traces, only for a card the variant does not fit as configured
         for card in cards_gb:
             usable = card * planner.GIB_MIB * (1 - margin)
             if peak and peak <= usable:
                 row[f"{card:g} GB"] = "fits"
                 continue
+            line = line or trace.variant_line(p, variant, scale)
             accum = planner.smallest_accum(line, usable, batch)
             row[f"{card:g} GB"] = f"accum {accum}" if accum else "no"
         rows.append(row)

@@ -6,8 +6,10 @@ The `train@<variant>` stage wires the pipeline's files around `run_variant`; the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +152,9 @@ def run_variant(
         print(headline(variant, v, accum, micro, world, scale.batch, hw, dtype), flush=True)
     failure, not_run = plan_check(p, device, micro, plan, world), emulation_check(p, hw, dtype)
     steps: list[dict[str, Any]] = []
+    first_seed = partial(train_variant, model, data, p, variant, scale, accum, dtype, p.seed, rank, world, steps)
     rows, failure, sampler, alone = measured_training(
-        model, data, p, variant, scale, accum, dtype, failure, rank, world, memory_snapshot, not not_run, steps
+        first_seed, device, p.memory.interval_ms, failure, rank, world, memory_snapshot, not not_run
     )
     memory = peak_memory(sampler, device, 1 if alone else world)  # alone: no collective can complete
     seeds, seconds = [], sum(r["seconds"] for r in rows)
@@ -242,36 +245,30 @@ def train_variant(
 
 
 def measured_training(
-    model: torch.nn.Module,
-    data: dict[str, torch.Tensor],
-    p: Params,
-    variant: str,
-    scale: Scale,
-    accum: int,
-    dtype: torch.dtype | None,
+    train_once: Callable[[], list[dict[str, Any]]],
+    device: torch.device,
+    interval_ms: int,
     failure: DidNotFit | None,
     rank: int,
     world: int,
     memory_snapshot: Path | None,
     run: bool = True,
-    step_rows: list[dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], DidNotFit | None, MemorySampler, bool]:
-    """The loop inside the memory sampler (and PyTorch's memory history, if asked); out of memory is a result.
+    """`train_once` inside the memory sampler (and PyTorch's memory history, if asked); out of memory is a result.
 
     Nothing trains when `failure` is set already or `run` is false. The last value is true when this rank ran
     out of memory in a run of several: the others wait for it in an all-reduce that will never complete.
     """
-    device = data["train_x"].device
     rows: list[dict[str, Any]] = []
     alone = False
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     wanted = memory_snapshot and device.type == "cuda" and rank == 0
     snapshot = FirstStepSnapshot(memory_snapshot) if wanted else nullcontext()
-    with MemorySampler(device.type, p.memory.interval_ms, gpu_index=device.index or 0) as sampler, snapshot:
+    with MemorySampler(device.type, interval_ms, gpu_index=device.index or 0) as sampler, snapshot:
         if failure is None and run:
             try:
-                rows = train_variant(model, data, p, variant, scale, accum, dtype, p.seed, rank, world, step_rows)
+                rows = train_once()
             except Exception as err:  # out of memory is a result, not a crash: the tutorial's baseline on a small card
                 if not is_out_of_memory(err):
                     raise

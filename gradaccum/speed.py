@@ -41,11 +41,11 @@ def time_variants(
     images, labels, order = data["train_x"][:n], data["train_y"][:n], torch.arange(n, device=device)
     arms, out = {}, {}
     for name, v in p.variants.items():
-        model, opt, scaler, dtype, accum = prepare(p, name, hw, plan, device)
-        why = emulation_check(p, hw, dtype)
-        if why:
+        why = emulation_check(p, hw, amp_dtype(device, p.train, v.precision))
+        if why:  # decided before any model is built
             out[name] = {"not_run": why}
             continue
+        model, opt, scaler, dtype, accum = prepare(p, name, hw, plan, device)
         plan_ = schedule(n, micro_batch_size(batch, accum), accum, v.weighting, v.epoch_end_step)
         arms[name] = (model, opt, scaler, dtype, plan_, accum)
         out[name] = {"accum": accum, "micro_batch": micro_batch_size(batch, accum), "images_per_s": []}

@@ -12,6 +12,11 @@ from gradaccum.tutorial import CLAIMS
 FIXED_KINDS = ("parameters_mib", "buffers_mib", "gradients_mib", "optimizer_mib", "data_mib")
 
 
+def fixed_mib(r: dict[str, Any]) -> float:
+    """What does not grow with the micro-batch: weights, gradients, optimizer state, resident data."""
+    return sum(r[k] for k in FIXED_KINDS)
+
+
 def gib(mib: float | None) -> str:
     return "-" if mib is None else f"{mib / 1024:.2f}"
 
@@ -35,7 +40,7 @@ def study_rows(trace: dict[str, Any], results: Results, on_gpu: bool) -> list[di
             "traced peak (GiB)": gib(r["peak_mib"]),
             "activations": gib(r["activations_mib"]),
             "temporaries": gib(r["temporaries_mib"]),
-            "weights, gradients, optimizer, data": gib(sum(r[k] for k in FIXED_KINDS)),
+            "weights, gradients, optimizer, data": gib(fixed_mib(r)),
         }
         m = results[name].record if name in results else None
         if on_gpu and m is not None and m.fit and m.memory.torch_max_allocated_mib:
@@ -64,7 +69,7 @@ def cpu_rows(trace: dict[str, Any], results: Results, plan: dict[str, Any] | Non
             "accum x micro-batch": f"{r['accum']} x {r['micro_batch']}",
             "traced (MiB)": fmt(r["peak_mib"], 0),
             "activations, temporaries": fmt(r["activations_mib"] + r["temporaries_mib"], 0),
-            "weights, gradients, optimizer, data": fmt(sum(r[k] for k in FIXED_KINDS), 0),
+            "weights, gradients, optimizer, data": fmt(fixed_mib(r), 0),
             "allocated, real tensors (MiB)": fmt(allocated, 0),
             "traced / allocated": fmt(r["peak_mib"] / allocated, 3),
             "verdict": "within 5%" if abs(off) <= 0.05 else f"trace {'over' if off > 0 else 'under'} by {abs(off):.1%}",
