@@ -9,6 +9,12 @@ from torch import nn
 
 from gradaccum.depthwise import use_matmul_depthwise
 
+IMAGE_SIZE = 28  # MNIST and Fashion-MNIST alike
+
+
+class ModelInputError(ValueError):
+    """The model cannot take the data's images (28x28, one channel)."""
+
 
 def batchnorm_to_groupnorm(module: nn.Module, num_groups: int, keep_act: bool = True) -> nn.Module:
     """Swap every BatchNorm2d for GroupNorm(num_groups), in place, keeping what else the layer did.
@@ -71,3 +77,18 @@ def build_model(
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def check_input(name: str, in_chans: int, num_classes: int, group_norm_groups: int) -> None:
+    """Refuse, before any work, a model that cannot take one 28x28 image: built and run on the meta device,
+    where tensors have shapes and no storage (0.1 s for efficientnet_b0, no memory, whatever the model's size)."""
+    try:
+        with torch.device("meta"), torch.no_grad():
+            model = build_model(name, in_chans, num_classes, "batch", group_norm_groups, seed=0, device="meta")
+            model.eval()(torch.empty(1, in_chans, IMAGE_SIZE, IMAGE_SIZE))
+    except Exception as err:  # timm's models fail in many ways on a too-small or wrong input
+        raise ModelInputError(
+            f"params.yaml: model.name = {name!r} cannot take the data's {IMAGE_SIZE}x{IMAGE_SIZE} "
+            f"single-channel images ({type(err).__name__}: {str(err).splitlines()[0][:160]}); allowed: a timm "
+            "model whose forward accepts them, e.g. efficientnet_b0, resnet18"
+        ) from None

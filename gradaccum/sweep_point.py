@@ -17,11 +17,8 @@ from gradaccum import params
 from gradaccum.accumulation import schedule
 from gradaccum.loop import amp_dtype, evaluate, make_optimizer, make_scaler, train_epoch
 from gradaccum.memory import MIB, is_out_of_memory, peak_rss_mib
-from gradaccum.models import build_model
+from gradaccum.models import IMAGE_SIZE, build_model, check_input
 from gradaccum.sweep import POINT_COLUMNS
-from gradaccum.trace import check_input
-
-IMAGE_SIZE = 28  # MNIST and Fashion-MNIST alike; memory does not depend on pixel values
 
 
 def measure_point(
@@ -91,6 +88,6 @@ if __name__ == "__main__":
     parser.add_argument("--last", type=int, default=0, help="samples in the short last micro-batch of an epoch")
     args = parser.parse_args()
     p = params.Params.model_validate_json(sys.stdin.read())  # validated by the parent already
-    check_input(p)  # a model that cannot take the images is refused by name before any point runs it (~0.2 s)
+    check_input(**p.model.model_dump())  # a model that cannot take the images, refused by name (0.1 s)
     row = measure_point(p, torch.device(args.device), args.point, args.checkpointing, args.test_samples, args.last)
     print(json.dumps(row))

@@ -33,10 +33,9 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from gradaccum.accumulation import micro_batch_size
 from gradaccum.loop import amp_dtype, make_optimizer, normalize
 from gradaccum.memory import MIB
-from gradaccum.models import build_model
+from gradaccum.models import IMAGE_SIZE, build_model
 from gradaccum.params import Params, variant_accum_steps
 
-IMAGE_SIZE = 28  # MNIST and Fashion-MNIST alike
 KINDS = {  # MemTracker's names for what holds memory -> ours
     "Parameter": "parameters",
     "Buffer": "buffers",
@@ -58,10 +57,6 @@ class PeakTracker(MemTracker):
             if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
                 self._peak_mem[device] = snapshot[_TOTAL_KEY]
                 self._peak_mem_snap[device] = dict(snapshot)
-
-
-class ModelInputError(ValueError):
-    """The model cannot take the data's images (28x28, one channel)."""
 
 
 def steady_optimizer(model: nn.Module, accum: int) -> torch.optim.Optimizer:
@@ -165,20 +160,6 @@ def builder(
 def variant_builder(p: Params, variant: str, device_type: str) -> Callable[[], nn.Module]:
     v = p.variants[variant]
     return builder(p, device_type, v.norm, v.swap, v.checkpointing)
-
-
-def check_input(p: Params) -> None:
-    """Refuse, before any work, a model that cannot take one 28x28 single-channel image (traced, not run)."""
-    build = partial(build_model, **p.model.model_dump(), norm="batch", seed=0, device="cpu")
-    try:
-        with FakeTensorMode(), torch.no_grad():
-            build().eval()(torch.empty(1, p.model.in_chans, IMAGE_SIZE, IMAGE_SIZE))
-    except Exception as err:  # timm's models fail in many ways on a too-small or wrong input
-        raise ModelInputError(
-            f"params.yaml: model.name = {p.model.name!r} cannot take the data's {IMAGE_SIZE}x{IMAGE_SIZE} "
-            f"single-channel images ({type(err).__name__}: {str(err).splitlines()[0][:160]}); allowed: a timm "
-            "model whose forward accepts them, e.g. efficientnet_b0, resnet18"
-        ) from None
 
 
 def trace_variant(p: Params, variant: str, scale: str, allocated: bool = False) -> dict[str, Any]:

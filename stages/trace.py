@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from gradaccum import params, trace
+from gradaccum import models, params, trace
 from gradaccum.machine import process_seconds
 from gradaccum.outputs import write_json
 from stages.paths import TRACE
@@ -16,7 +16,7 @@ from stages.paths import TRACE
 
 def main() -> None:
     p = params.load()
-    trace.check_input(p)
+    models.check_input(**p.model.model_dump())
     result = trace.trace_all(p, log=lambda line: print(line, flush=True))
     write_json(TRACE, result | {"stage_seconds": process_seconds()})
 
@@ -24,5 +24,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (params.ParamsError, trace.ModelInputError) as err:
+    except (params.ParamsError, models.ModelInputError) as err:
         sys.exit(f"error: {err}")

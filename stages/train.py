@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from gradaccum import distributed, mnist, params, trace
+from gradaccum import distributed, mnist, models, params
 from gradaccum.experiment import VariantRun, run_variant, variant_accum
 from gradaccum.loop import EPOCH_COLUMNS, STEP_COLUMNS
 from gradaccum.machine import process_seconds
@@ -29,7 +29,7 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
     hw = read_json(HARDWARE)
     plan = read_json(SWEEP_PLAN) if SWEEP_PLAN.exists() else None
     variant_accum(p, variant, plan, hw["scale"])  # a bad accum stops here, before torchrun starts anything
-    trace.check_input(p)  # so does a model that cannot take the images (a fake forward, no memory)
+    models.check_input(**p.model.model_dump())  # so does a model that cannot take the images
     params.check_distributed(p, hw)
     scale = p.scale_settings(hw["scale"])
     mnist.check_batch(DATASET, scale.batch, f"scales.{hw['scale']}.batch", scale.train_samples)
@@ -94,5 +94,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     try:
         main(args.variant, args.memory_snapshot)
-    except (params.ParamsError, mnist.DataError, trace.ModelInputError) as err:
+    except (params.ParamsError, mnist.DataError, models.ModelInputError) as err:
         sys.exit(f"error: {err}")

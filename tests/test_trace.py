@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
-from gradaccum import params, trace
+from gradaccum import models, params, trace
 from gradaccum.memory import MIB
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +83,8 @@ def test_a_model_that_cannot_take_the_images_is_refused_by_name() -> None:
     raw = params.read(ROOT / "params.yaml")
     vit = params.set_values(raw, ["model.name=vit_tiny_patch16_224"])
     with pytest.raises(
-        trace.ModelInputError, match=r"model.name = 'vit_tiny_patch16_224' cannot take the data's 28x28"
+        models.ModelInputError, match=r"model.name = 'vit_tiny_patch16_224' cannot take the data's 28x28"
     ):
-        trace.check_input(vit)
-    trace.check_input(params.set_values(raw, ["model.name=resnet18"]))  # any model that takes them passes
+        models.check_input(**vit.model.model_dump())
+    resnet = params.set_values(raw, ["model.name=resnet18"])
+    models.check_input(**resnet.model.model_dump())  # any model that takes them passes
