@@ -7,7 +7,8 @@ GroupNorm, float32, at the CPU scale's two shapes: 4 x 64 (the accumulation vari
 Three arms of the same model alternate run by run, so the machine's drift hits all alike:
 timm's convolutions (oneDNN), the depthwise ones on small maps as matrix products
 (gradaccum/depthwise.py, what the study runs on a CPU), and timm's in the channels_last layout.
-Prints the median speeds and each arm's ratio to timm's, with every round's ratio.
+Prints the median speeds and each arm's ratio to timm's, with every round's ratio; then the same under
+bfloat16 autocast (the groupnorm_precision variant on a CPU), where the matrices take bfloat16 operands.
 """
 
 from __future__ import annotations
@@ -28,24 +29,32 @@ IMAGES = 512
 ARMS = ("timm", "matmul depthwise", "channels_last")
 
 
-def compare(p: params.Params, images: torch.Tensor, labels: torch.Tensor, micro: int, accum: int, repeats: int) -> str:
+def compare(
+    p: params.Params,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    micro: int,
+    accum: int,
+    repeats: int,
+    dtype: torch.dtype | None = None,
+) -> str:
     arms = {}
     for arm in ARMS:
         model = build_model(**p.model.model_dump(), norm="group", seed=p.seed, matmul_depthwise=arm == ARMS[1])
         model = model.to(memory_format=torch.channels_last) if arm == "channels_last" else model
-        arms[arm] = (model, make_optimizer(model, 3e-4), make_scaler(torch.device("cpu"), None))
+        arms[arm] = (model, make_optimizer(model, 3e-4), make_scaler(torch.device("cpu"), dtype))
     plan = schedule(IMAGES, micro, accum)
 
     def run(arm: str) -> float:
         start = time.perf_counter()
-        train_epoch(*arms[arm], images, labels, torch.arange(IMAGES), plan, None)
+        train_epoch(*arms[arm], images, labels, torch.arange(IMAGES), plan, dtype)
         return time.perf_counter() - start
 
     for arm in ARMS:
         run(arm)  # warm-up
     rounds = [{arm: run(arm) for arm in ARMS} for _ in range(repeats)]
     median = {arm: statistics.median(r[arm] for r in rounds) for arm in ARMS}
-    parts = [f"{accum} x {micro}: timm {IMAGES / median['timm']:.0f} images/s"]
+    parts = [f"{str(dtype or torch.float32)[6:]}, {accum} x {micro}: timm {IMAGES / median['timm']:.0f} images/s"]
     for arm in ARMS[1:]:
         each = ", ".join(f"{r['timm'] / r[arm]:.2f}" for r in rounds)
         parts.append(f"{arm} {IMAGES / median[arm]:.0f} images/s, {median['timm'] / median[arm]:.2f}x ({each})")
@@ -60,8 +69,9 @@ def main() -> None:
     arrays = mnist.load(args.data)
     images = torch.from_numpy(arrays["train_x"][:IMAGES])
     labels = torch.from_numpy(arrays["train_y"][:IMAGES]).long()
-    for micro, accum in ((64, 4), (256, 1)):
-        print(compare(params.load(), images, labels, micro, accum, args.repeats), flush=True)
+    for dtype in (None, torch.bfloat16):  # float32; the precision lever's autocast
+        for micro, accum in ((64, 4), (256, 1)):
+            print(compare(params.load(), images, labels, micro, accum, args.repeats, dtype), flush=True)
 
 
 if __name__ == "__main__":

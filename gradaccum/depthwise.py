@@ -6,7 +6,10 @@ training step, mostly multiplying taps that only ever read the zero padding. On 
 pixels each channel's convolution is a P_out x P matrix built from its k x k weights (a tap that
 reads padding is a zero entry), so a whole layer is one bmm. Same sums, same parameters and the
 same saved tensors (the input and the weight), so training keeps the same memory; 1.9x faster at
-micro-batch 64 and 2.6x at 256 on the 2-core reference machine (benchmarks/layout.py).
+micro-batch 64 and 2.6x at 256 on the 2-core reference machine (benchmarks/convolutions.py).
+Under autocast both operands are cast to its dtype first, as autocast casts conv2d's, so the step
+saves the same bfloat16 copies; there the matrices made the bfloat16 variant's training 2.6-3.1x
+faster than oneDNN's bfloat16 depthwise kernels (benchmarks/convolutions.py).
 """
 
 from __future__ import annotations
@@ -67,10 +70,11 @@ class DepthwiseAsMatmul(torch.autograd.Function):
             grad_x = torch.bmm(g, tap_matrices(weight, index)).transpose(0, 1).reshape(x.shape)
         if ctx.needs_input_grad[1]:
             per_entry = torch.bmm(g.transpose(1, 2), x.reshape(n, c, -1).transpose(0, 1)).reshape(c, -1)
-            per_tap = weight.new_zeros(c, weight[0].numel() + 1).scatter_add_(
-                1, index.reshape(1, -1).expand(c, -1), per_entry
+            acc = torch.promote_types(weight.dtype, torch.float32)  # a bfloat16 weight's taps summed in float32
+            per_tap = per_entry.new_zeros(c, weight[0].numel() + 1, dtype=acc).scatter_add_(
+                1, index.reshape(1, -1).expand(c, -1), per_entry.to(acc)
             )
-            grad_w = per_tap[:, :-1].reshape(weight.shape)  # the last column collected the entries of no tap
+            grad_w = per_tap[:, :-1].to(weight.dtype).reshape(weight.shape)  # the last column: entries of no tap
         return grad_x, grad_w, None, None
 
 
@@ -79,7 +83,7 @@ class SmallMapDepthwiseConv2d(nn.Conv2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, w = x.shape[-2:]
-        if h * w > MAX_PIXELS or torch.is_autocast_enabled(x.device.type):
+        if h * w > MAX_PIXELS:
             return super().forward(x)
         out = tuple(
             (n + 2 * p - d * (k - 1) - 1) // s + 1
@@ -88,6 +92,10 @@ class SmallMapDepthwiseConv2d(nn.Conv2d):
         cache = self.__dict__.setdefault("_tap_index", {})  # not a buffer: no state_dict entry, no device move
         if (h, w) not in cache:
             cache[h, w] = tap_index((h, w), self.kernel_size, self.stride, self.padding, self.dilation, out)
+        if torch.is_autocast_enabled(x.device.type):  # as autocast runs conv2d: both operands in its dtype,
+            dtype = torch.get_autocast_dtype(x.device.type)  # which is what the step saves for backward
+            with torch.autocast(x.device.type, enabled=False):
+                return DepthwiseAsMatmul.apply(x.to(dtype), self.weight.to(dtype), cache[h, w], out)
         return DepthwiseAsMatmul.apply(x, self.weight, cache[h, w], out)
 
 

@@ -163,12 +163,40 @@ def test_tap_index_by_hand() -> None:
     assert tap_index((1, 1), (5, 5), (1, 1), (2, 2), (1, 1), (1, 1)).tolist() == [[12]]  # the centre tap only
 
 
-def test_large_maps_and_autocast_keep_the_plain_convolution(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_maps_keep_the_plain_convolution(monkeypatch: pytest.MonkeyPatch) -> None:
     m = use_matmul_depthwise(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False)))[0]
     monkeypatch.setattr(DepthwiseAsMatmul, "apply", lambda *a: pytest.fail("used the matrices"))
     m(torch.randn(2, 4, 9, 8))  # 72 pixels
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        m(torch.randn(2, 4, 2, 2))
+
+
+def test_under_autocast_the_matrices_do_what_autocast_does_to_conv2d() -> None:
+    """bfloat16 operands and output, the same bfloat16 tensors saved for backward, the same gradients to
+    bfloat16's rounding (8 bits of mantissa: ~0.4% of a value)."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(32, 32, 5, padding=2, groups=32, bias=False)
+    matmul = use_matmul_depthwise(nn.Sequential(copy.deepcopy(conv)))[0]
+    x = torch.randn(16, 32, 4, 4, requires_grad=True)
+    results, saved, ran = [], [], []
+    for m in (conv, matmul):
+        kept: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+        def pack(t: torch.Tensor, kept: list = kept) -> torch.Tensor:
+            if t.is_floating_point():
+                kept.append((t.dtype, tuple(t.shape)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+            out = m(x)
+        assert out.dtype == torch.bfloat16
+        ran.append(type(out.grad_fn).__name__)
+        weights = torch.linspace(-1, 1, out.numel()).view_as(out)
+        results.append((out.float(), *torch.autograd.grad((out.float() * weights).sum(), (x, m.weight))))
+        saved.append(sorted(kept, key=str))
+    assert ran == ["ConvolutionBackward0", "DepthwiseAsMatmulBackward"]
+    assert saved[0] == saved[1] == [(torch.bfloat16, (16, 32, 4, 4)), (torch.bfloat16, (32, 1, 5, 5))]
+    for a, b in zip(*results, strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * float(a.detach().abs().max()))
 
 
 def test_the_model_uses_the_matrices_on_the_cpu_only_and_trains_the_same() -> None:
