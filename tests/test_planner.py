@@ -65,6 +65,9 @@ def test_options_per_lever_fastest_first() -> None:
     assert ckpt["accum"] == 2 and ckpt["micro_batch"] == 16384 and ckpt["predicted_peak_mib"] == 1000 + 16384
     slow_plain = {**speeds, "accumulation": ([256, 4096], [300.0, 400.0])}
     assert planner.options(fits, slow_plain, budget, 32768)[0]["lever"] == "checkpointing"
+    roomy = 1000 + 3.5 * 32768  # both fit accum 1: the same work, checkpointing adds a recomputed forward
+    assert [o["accum"] for o in planner.options(fits, slow_plain, roomy, 32768)] == [1, 1]
+    assert planner.options(fits, slow_plain, roomy, 32768)[0]["lever"] == "accumulation"  # a slow sweep point aside
     assert planner.options(fits, speeds, 500.0, 32768) == []  # nothing fits: not even the fixed part
     cards = planner.card_table(MODEL, 32768, [8, 40], 0.1, fits, speeds)
     assert all("options" in c for c in cards) and cards[1]["options"][0]["accum"] <= cards[0]["options"][0]["accum"]

@@ -277,7 +277,9 @@ def planner_section(
         f"{plan['batch']}, leaving "
         f"{machine['safety_margin']:.0%} free. On this machine ({machine['memory_mib']} MiB, {machine['what']}), "
         f"accum: auto is {plan['auto_accum']} (with checkpointing: {plan['auto_accum_checkpointing']}); the "
-        f"fastest option that fits here: {fastest}. The speeds are the sweep's own (a few steps, warm-up included)."
+        f"fastest option that fits here: {fastest}. The speeds are the sweep's own (a few steps, warm-up included, "
+        "one run: a stall of the machine can reorder them), so at the same accum the plain option is put first: "
+        "checkpointing does its work and recomputes the forward on top."
         + (
             " These are host-memory figures from the CPU scale; a GPU run gives the GPU table."
             if plan["device"] == "cpu"
