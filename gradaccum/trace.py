@@ -195,23 +195,25 @@ def peak_line(
     return {"fixed_mib": low - per_sample * micros[0], "per_sample_mib": per_sample, "r2": 1.0}
 
 
-def variant_line(p: Params, variant: str, scale: str) -> dict[str, float]:
-    """`peak_line` of the variant's model and precision, between the scale's smallest and largest sweep sizes."""
-    s, device_type = p.scale_settings(scale), DEVICES[scale]
-    dtype = amp_dtype(torch.device(device_type), p.train, p.variants[variant].precision)
+def scale_line(p: Params, scale: str, build: Callable[[], nn.Module], dtype: torch.dtype | None) -> dict[str, float]:
+    """`peak_line` at `scale`, between its smallest and largest sweep sizes, its data resident."""
+    s = p.scale_settings(scale)
     micros = (s.sweep_micro_batches[0], s.sweep_micro_batches[-1])
-    return peak_line(
-        variant_builder(p, variant, device_type), dtype, micros, p.model.num_classes, s.train_samples + s.test_samples
-    )
+    return peak_line(build, dtype, micros, p.model.num_classes, s.train_samples + s.test_samples)
+
+
+def variant_line(p: Params, variant: str, scale: str) -> dict[str, float]:
+    """`scale_line` of the variant's model and precision (gradaccum.cards)."""
+    device = torch.device(DEVICES[scale])
+    dtype = amp_dtype(device, p.train, p.variants[variant].precision)
+    return scale_line(p, scale, variant_builder(p, variant, device.type), dtype)
 
 
 def lever_line(p: Params, scale: str, checkpointing: bool) -> dict[str, float]:
-    """`peak_line` of the GroupNorm model at the default precision: the planner's two levers, as the sweep's."""
-    s, device_type = p.scale_settings(scale), DEVICES[scale]
-    build = builder(p, device_type, "group", checkpointing=checkpointing)
-    micros = (s.sweep_micro_batches[0], s.sweep_micro_batches[-1])
-    dtype = amp_dtype(torch.device(device_type), p.train)
-    return peak_line(build, dtype, micros, p.model.num_classes, s.train_samples + s.test_samples)
+    """`scale_line` of the GroupNorm model at the default precision: the planner's two levers, as the sweep's."""
+    device = torch.device(DEVICES[scale])
+    build = builder(p, device.type, "group", checkpointing=checkpointing)
+    return scale_line(p, scale, build, amp_dtype(device, p.train))
 
 
 def _job(p: Params, job: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:

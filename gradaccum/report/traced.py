@@ -3,6 +3,7 @@ the GPU card table from the trace, and the tutorial's GPU figures beside the tra
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from gradaccum import planner
@@ -112,7 +113,7 @@ def card_rows(trace: dict[str, Any], batch: int, cards_gb: list[float], margin: 
             if accum is None:
                 row[lever] = "does not fit even at micro-batch 1"
                 continue
-            micro = -(-batch // accum)
+            micro = math.ceil(batch / accum)  # as planner.card_table: the report imports no torch
             row[lever] = f"accum {accum} (micro-batch {micro}): {planner.predict_mib(line, micro) / 1024:.1f} GiB"
         out.append(row)
     return out
