@@ -3,7 +3,8 @@
     python -m gradaccum.cards                                  # params.yaml as it is
     python -m gradaccum.cards -S accum=8 -S model.name=resnet18 --cards 8 24 80 --variants accumulation
 
-Each variant's training step is traced on fake tensors (gradaccum/trace.py), a few seconds a variant: as
+Each variant's training step is traced on fake tensors (gradaccum/trace.py), under CUDA's autocast rules
+for the study scale (GroupNorm in float32, as a GPU runs it), a few seconds a variant: as
 configured it fits a card when its traced peak is at most the card less memory.safety_margin (which has
 to hold the CUDA context and the allocator's cache); when it does not, the fewest micro-batches that would.
 """
@@ -66,8 +67,13 @@ def main(argv: list[str] | None = None) -> None:
     cards = args.cards or p.memory.cards_gb
     rows = answer(p, args.variants or list(p.variants), cards, args.scale)
     s = p.scale_settings(args.scale)
+    amp = (
+        f"autocast {p.train.amp_cuda} under CUDA's autocast rules (emulated: gradaccum/autocast_policy.py)"
+        if args.scale == "study"
+        else f"autocast {p.train.amp_cpu} under the CPU's rules"
+    )
     print(
-        f"{p.model.name}, effective batch {s.batch} ({args.scale} scale), CUDA autocast {p.train.amp_cuda}: traced "
+        f"{p.model.name}, effective batch {s.batch} ({args.scale} scale), {amp}: traced "
         f"peak per variant; a card fits it when the peak is at most the card less {p.memory.safety_margin:.0%}; "
         "otherwise the smallest accum that would, or no\n"
     )

@@ -9,7 +9,9 @@ temporaries. Should it break, a TorchDispatchMode that adds up output storages w
 What the trace cannot see, a GPU adds: the CUDA context, cuDNN and cuBLAS workspaces (allocated outside
 PyTorch's dispatcher) and the caching allocator's rounding and slack; nvidia-smi shows all of them.
 Fake CUDA tensors need a driver for backward ("hasPrimaryContext expects a valid device index"), so the
-trace runs on fake CPU tensors, under autocast with the dtype the GPU run uses.
+trace runs on fake CPU tensors, under autocast with the dtype the GPU run uses and, for the study (GPU)
+scale, CUDA's autocast policy (gradaccum/autocast_policy.py: GroupNorm in float32, as a GPU runs it). The
+CPU scale keeps the CPU's policy: it is checked against the CPU's real allocator.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
+from gradaccum import autocast_policy
 from gradaccum.accumulation import micro_batch_size
 from gradaccum.loop import amp_dtype, make_optimizer, normalize
 from gradaccum.memory import MIB
@@ -45,7 +48,7 @@ KINDS = {  # MemTracker's names for what holds memory -> ours
     "Temp": "temporaries",
     "Other": "data",
 }
-DEVICES = {"study": "cuda", "cpu": "cpu"}  # where each scale trains: its dtype and its model's kernels
+DEVICES = {"study": "cuda", "cpu": "cpu"}  # where each scale trains: its dtype, its model's kernels, its policy
 
 
 class PeakTracker(MemTracker):
@@ -88,13 +91,21 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, micro: int, num_classes: 
 
 
 def trace_step(
-    build: Callable[[], nn.Module], micro: int, accum: int, num_classes: int, dtype: torch.dtype | None, data: int = 0
+    build: Callable[[], nn.Module],
+    micro: int,
+    accum: int,
+    num_classes: int,
+    dtype: torch.dtype | None,
+    data: int = 0,
+    policy: str = autocast_policy.CPU,
 ) -> dict[str, float]:
     """MiB live at the peak of a steady-state step on fake tensors, in total and by kind.
 
-    `data` uint8 images stay resident, as training keeps its dataset on the device.
+    `data` uint8 images stay resident, as training keeps its dataset on the device. `policy` is whose
+    autocast rules cast each op ("cuda" or "cpu"): a GPU figure needs CUDA's.
     """
-    with FakeTensorMode():
+    rules = autocast_policy.cuda_policy() if policy == autocast_policy.CUDA else contextlib.nullcontext()
+    with rules, FakeTensorMode():
         model = build()
         opt = steady_optimizer(model, accum)
         dataset = torch.empty(data, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
@@ -174,14 +185,29 @@ def trace_variant(p: Params, variant: str, scale: str, allocated: bool = False) 
     build = variant_builder(p, variant, device_type)
     args = (build, micro, accum, p.model.num_classes, dtype, s.train_samples + s.test_samples)
     row |= {"accum": accum, "micro_batch": micro, "amp": str(dtype).replace("torch.", "") if dtype else "float32"}
-    row |= trace_step(*args)
+    row |= {"autocast_policy": policy_name(device_type, dtype)}
+    row |= trace_step(*args, policy=device_type)
     if allocated:
         row["allocated_peak_mib"] = allocated_peak_mib(*args)
     return row
 
 
+def policy_name(device_type: str, dtype: torch.dtype | None) -> str:
+    """Whose autocast rules a trace followed, as its row records it."""
+    if dtype is None:
+        return "none (float32, no autocast)"
+    if device_type == autocast_policy.CUDA:
+        return f"CUDA's (torch {autocast_policy.PINNED_TORCH} lists, emulated on the CPU)"
+    return "the CPU's"
+
+
 def peak_line(
-    build: Callable[[], nn.Module], dtype: torch.dtype | None, micros: tuple[int, int], num_classes: int, data: int
+    build: Callable[[], nn.Module],
+    dtype: torch.dtype | None,
+    micros: tuple[int, int],
+    num_classes: int,
+    data: int,
+    policy: str = autocast_policy.CPU,
 ) -> dict[str, float]:
     """The traced peak as a line in the micro-batch (the planner's `fit` format), from two sizes.
 
@@ -190,7 +216,7 @@ def peak_line(
     peak between them. Traced with a window's gradients held (accum > 1), the larger of the two steady
     states, so a suggested accum never falls short.
     """
-    low, high = (trace_step(build, m, 2, num_classes, dtype, data)["peak_mib"] for m in micros)
+    low, high = (trace_step(build, m, 2, num_classes, dtype, data, policy)["peak_mib"] for m in micros)
     per_sample = (high - low) / (micros[1] - micros[0])
     return {"fixed_mib": low - per_sample * micros[0], "per_sample_mib": per_sample, "r2": 1.0}
 
@@ -199,7 +225,9 @@ def scale_line(p: Params, scale: str, build: Callable[[], nn.Module], dtype: tor
     """`peak_line` at `scale`, between its smallest and largest sweep sizes, its data resident."""
     s = p.scale_settings(scale)
     micros = (s.sweep_micro_batches[0], s.sweep_micro_batches[-1])
-    return peak_line(build, dtype, micros, p.model.num_classes, s.train_samples + s.test_samples)
+    data = s.train_samples + s.test_samples
+    line = peak_line(build, dtype, micros, p.model.num_classes, data, DEVICES[scale])
+    return line | {"autocast_policy": policy_name(DEVICES[scale], dtype)}
 
 
 def variant_line(p: Params, variant: str, scale: str) -> dict[str, float]:

@@ -226,7 +226,10 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
     rep.text(
         "Each variant's training step run on fake tensors (shapes, no storage) under PyTorch's MemTracker, which "
         "sorts the bytes live at the step's peak by kind: `dvc repro trace` on any machine, `python -m "
-        "gradaccum.cards` for other params. The trace counts the tensors the step holds; a GPU adds the CUDA "
+        "gradaccum.cards` for other params. The study scale follows CUDA's autocast rules, not the CPU's: "
+        "PyTorch's CUDA lists, emulated op by op on the CPU (gradaccum/autocast_policy.py), so GroupNorm and "
+        "what follows it are float32 as on a GPU (CPU autocast would keep them float16); the policy column "
+        "says which rules each row followed. The trace counts the tensors the step holds; a GPU adds the CUDA "
         "context, cuDNN workspaces and the caching allocator's reserve, which nvidia-smi shows and the trace cannot."
         + (
             " Beside it, what this GPU measured."

@@ -38,6 +38,7 @@ def study_rows(trace: dict[str, Any], results: Results, on_gpu: bool) -> list[di
             "variant": name,
             "accum x micro-batch": f"{r['accum']} x {r['micro_batch']}",
             "autocast": r["amp"],
+            "policy": r.get("autocast_policy", "not recorded (traced before it was)"),
             "traced peak (GiB)": gib(r["peak_mib"]),
             "activations": gib(r["activations_mib"]),
             "temporaries": gib(r["temporaries_mib"]),

@@ -1,0 +1,194 @@
+"""CUDA's autocast policy on CPU tensors: what a GPU's float16 step holds, traced on a machine without one.
+
+CPU and CUDA autocast are different policies. CUDA runs group_norm and layer_norm in float32 and gives
+softmax, log_softmax and sum a float32 output; CPU autocast lists none of them, so a GroupNorm model
+traced under `torch.autocast("cpu")` keeps float16 tensors that a GPU keeps in float32. Fake CUDA tensors
+cannot run backward without a driver, so `cuda_policy()` re-registers the AutocastCPU kernels, inside
+this process only and only while it is open, to cast as CUDA's do: the way torch.library.register_autocast
+gives a custom op its policy.
+
+The lists are PyTorch's own, copied from aten/src/ATen/autocast_mode.h of the installed torch (the
+AT_FORALL_* macros that autocast_mode.cpp registers on the CUDA `Autocast` key). tests/test_autocast_policy.py
+holds them against that header and against the dispatcher's AutocastCUDA kernels, and `cuda_policy()`
+itself refuses to run on a torch whose CUDA registrations differ, so an upgrade that changes them fails
+loudly instead of tracing with a stale policy. An op CUDA does not list falls through, as on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+PINNED_TORCH = "2.14.1"  # the torch these lists were read from
+CPU, CUDA = "cpu", "cuda"  # the policies a trace row names
+
+# AT_FORALL_LOWER_PRECISION_FP: every floating input cast to the autocast dtype (float16 for the study).
+LOWER_PRECISION_FP = (
+    "_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+    "conv_transpose2d.input", "conv_transpose3d.input", "convolution", "prelu", "addmm", "addmv", "addr",
+    "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul",
+    "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell",
+    "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
+)  # fmt: skip
+# AT_FORALL_FP32: every floating input cast to float32.
+FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
+    "native_layer_norm", "rms_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim",
+    "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
+    "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+    "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d",
+    "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+    "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+)  # fmt: skip
+# AT_FORALL_FP32_SET_OPT_DTYPE: a float32 output (dtype=float32 unless given) when the first input is floating.
+FP32_SET_OPT_DTYPE = (
+    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
+    "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList",
+)  # fmt: skip
+# AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE (fp32_append_dtype): the overload with a dtype, given float32.
+FP32_APPEND_DTYPE = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"}
+# AT_FORALL_PROMOTE: the widest floating input's dtype for all.
+PROMOTE = (
+    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
+    "tensordot", "scatter_add",
+)  # fmt: skip
+BANNED = ("binary_cross_entropy",)  # autocast_mode.cpp: binary_cross_entropy_banned
+# Registered on AutocastCUDA outside those lists: cuDNN's own ops take CUDA tensors only, so a CPU trace never
+# reaches them; linalg_matrix_sqrth's policy is not in the header, so a model that calls it is refused.
+CUDA_ONLY = ("_cudnn_rnn", "cudnn_convolution", "cudnn_convolution_transpose")
+UNKNOWN = ("linalg_matrix_sqrth",)
+
+POLICIES = {
+    **dict.fromkeys(LOWER_PRECISION_FP, "lower_precision_fp"),
+    **dict.fromkeys(FP32, "fp32"),
+    **dict.fromkeys(FP32_SET_OPT_DTYPE, "fp32_set_opt_dtype"),
+    **dict.fromkeys(FP32_APPEND_DTYPE, "fp32_append_dtype"),
+    **dict.fromkeys(PROMOTE, "promote"),
+    **dict.fromkeys(BANNED, "banned"),
+    **dict.fromkeys(CUDA_ONLY + UNKNOWN, "unknown"),
+}
+
+
+class PolicyMismatch(RuntimeError):
+    """The installed torch registers CUDA autocast kernels other than the lists here were read for."""
+
+
+def registered(key: str) -> set[str]:
+    """The aten ops (name.overload) with a kernel on dispatch key `key` in this process."""
+    aten = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")]
+    return {n.removeprefix("aten::") for n in aten if torch._C._dispatch_has_kernel_for_dispatch_key(n, key)}
+
+
+def check_pinned() -> None:
+    """Refuse a torch whose CUDA autocast kernels are not exactly the ops listed here."""
+    cuda = registered("AutocastCUDA")
+    if cuda != set(POLICIES):
+        raise PolicyMismatch(
+            f"torch {torch.__version__} registers CUDA autocast kernels other than gradaccum/autocast_policy.py's "
+            f"lists (read from torch {PINNED_TORCH}'s aten/src/ATen/autocast_mode.h): new "
+            f"{sorted(cuda - set(POLICIES))}, gone {sorted(set(POLICIES) - cuda)}; update the lists from that header"
+        )
+
+
+def _eligible(value: Any) -> bool:
+    """is_eligible in autocast_mode.h: a defined floating tensor on the device, not float64."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """cached_cast: an eligible tensor (or each in a list) to `dtype`; anything else as it is. No cache: the
+    cast copy of a weight is the tensor the op saves, so memory is the same."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
+    return value.to(dtype) if _eligible(value) and value.dtype != dtype else value
+
+
+def _tensors(values: Any) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            yield from _tensors(value)
+        elif isinstance(value, torch.Tensor):
+            yield value
+
+
+def _promote_type(args: tuple, kwargs: dict, lower: torch.dtype) -> torch.dtype:
+    """promote_type: float32 if any eligible input is float32, else the lower precision; float64 ignored."""
+    for t in _tensors((*args, *kwargs.values())):
+        if _eligible(t) and t.dtype not in (lower, torch.float32):
+            raise RuntimeError(f"Unexpected floating ScalarType {t.dtype} in at::autocast::prioritize")
+        if _eligible(t) and t.dtype == torch.float32:
+            return torch.float32
+    return lower
+
+
+def _kernel(name: str, policy: str) -> Any:
+    """The AutocastCPU kernel that casts as CUDA's `policy` does, then runs the op with autocast off."""
+    op = _overload(name)
+    no_autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        lower = torch.get_autocast_dtype(CPU)  # the study's dtype, as torch.autocast("cpu", dtype=...) set it
+        with torch._C._ExcludeDispatchKeyGuard(no_autocast):
+            if policy == "lower_precision_fp":
+                return op(*_cast(args, lower), **{k: _cast(v, lower) for k, v in kwargs.items()})
+            if policy == "fp32":
+                return op(*_cast(args, torch.float32), **{k: _cast(v, torch.float32) for k, v in kwargs.items()})
+            if policy == "promote":
+                to = _promote_type(args, kwargs, lower)
+                return op(*_cast(args, to), **{k: _cast(v, to) for k, v in kwargs.items()})
+            if policy == "fp32_set_opt_dtype":
+                if _eligible(args[0]):
+                    return op(*args, **_with_dtype(op, args, kwargs, torch.float32))
+                return op(*args, **kwargs)
+            if policy == "fp32_append_dtype":
+                out = torch.float32 if _eligible(args[0]) else args[0].dtype
+                return _overload(FP32_APPEND_DTYPE[name])(*args, **kwargs, dtype=out)
+            if policy == "banned":
+                raise RuntimeError(f"aten::{name} is unsafe to autocast (CUDA autocast refuses it; autocast_mode.cpp)")
+            raise PolicyMismatch(f"aten::{name}: CUDA registers an autocast kernel whose policy is not in its lists")
+
+    return kernel
+
+
+def _with_dtype(op: torch._ops.OpOverload, args: tuple, kwargs: dict, dtype: torch.dtype) -> dict:
+    """set_opt_dtype: the op's `dtype` argument set to `dtype` unless the caller gave one."""
+    index = next(i for i, a in enumerate(op._schema.arguments) if a.name == "dtype")
+    if index < len(args):
+        if args[index] is not None:
+            return kwargs
+        raise NotImplementedError(f"{op}: dtype=None passed positionally")  # never seen: dtype is keyword-only
+    return kwargs if kwargs.get("dtype") is not None else kwargs | {"dtype": dtype}
+
+
+def _overload(name: str) -> torch._ops.OpOverload:
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, packet), overload or "default")
+
+
+@contextlib.contextmanager
+def cuda_policy() -> Iterator[None]:
+    """Inside: CPU autocast casts as CUDA autocast does, op by op. Outside again: the CPU's own policy.
+
+    Every op CUDA lists gets a kernel casting as CUDA's; every op only the CPU lists (cat, stack,
+    cross_entropy_loss, the 3-d pools, ...) falls through to its decomposition, as it does on a GPU.
+    """
+    check_pinned()
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - confined to this context
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
+            for name, policy in POLICIES.items():
+                if name not in CUDA_ONLY:
+                    lib.impl(name, _kernel(name, policy), "AutocastCPU")
+            for name in registered("AutocastCPU") - set(POLICIES):
+                lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+        yield
+    finally:
+        lib._destroy()  # the CPU's own kernels are back: the CPU-scale trace is checked against them

@@ -1,0 +1,193 @@
+"""CUDA's autocast policy, emulated on CPU tensors for the GPU traces, against PyTorch's own lists and kernels."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradaccum import autocast_policy, params, trace
+from gradaccum.memory import MIB
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADER = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
+
+
+def header_list(macro: str) -> list[str]:
+    """The ops of one AT_FORALL_* macro in the installed torch's autocast_mode.h, as name.overload."""
+    text = HEADER.read_text()
+    body = re.search(rf"#define {macro}\(_\)(.*?)\n\n", text, re.S)
+    assert body, f"{macro} not in {HEADER}"
+    entries = re.findall(r"_\((\w+)(?:,\s*(\w+))?\)", body.group(1))
+    return [f"{name}.{overload}" if overload else name for name, overload in entries]
+
+
+@pytest.mark.skipif(not HEADER.exists(), reason="this torch ships without its C++ headers")
+def test_the_lists_are_the_installed_torchs_header() -> None:
+    """An upgrade that moves an op between CUDA's lists fails here, naming the list."""
+    assert list(autocast_policy.LOWER_PRECISION_FP) == header_list("AT_FORALL_LOWER_PRECISION_FP")
+    assert list(autocast_policy.FP32) == header_list("AT_FORALL_FP32")
+    assert list(autocast_policy.FP32_SET_OPT_DTYPE) == header_list("AT_FORALL_FP32_SET_OPT_DTYPE")
+    assert list(autocast_policy.PROMOTE) == header_list("AT_FORALL_PROMOTE")
+    redispatch = re.search(r"#define AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE\(_\)(.*?)\n\n", HEADER.read_text(), re.S)
+    assert redispatch and re.findall(r'"([\w.]+)"', redispatch.group(1)) == list(autocast_policy.FP32_APPEND_DTYPE)
+
+
+def test_the_lists_are_the_dispatchers_cuda_kernels() -> None:
+    """The ops this torch registers on AutocastCUDA are exactly the listed ones (the check cuda_policy runs)."""
+    assert torch.__version__.split("+")[0] == autocast_policy.PINNED_TORCH
+    assert autocast_policy.registered("AutocastCUDA") == set(autocast_policy.POLICIES)
+    autocast_policy.check_pinned()
+
+
+def test_a_torch_with_other_cuda_kernels_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(autocast_policy, "POLICIES", {k: v for k, v in autocast_policy.POLICIES.items() if k != "exp"})
+    with pytest.raises(autocast_policy.PolicyMismatch, match=r"new \['exp'\]"):
+        autocast_policy.check_pinned()
+
+
+def run_ops() -> tuple[torch.dtype, ...]:
+    x, w = torch.randn(2, 8, 5, 5), torch.randn(8, 8, 3, 3, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = F.conv2d(x, w)
+        g = F.group_norm(y, 1)
+        outs = (y, g, F.layer_norm(y, y.shape[1:]), F.softmax(g.flatten(1), 1), g.sum(), torch.cat([y, y]))
+    return tuple(t.dtype for t in outs)
+
+
+def test_inside_cuda_policy_the_norms_and_softmax_run_in_float32_and_outside_the_cpus_policy_is_back() -> None:
+    half, full = torch.float16, torch.float32
+    cpu = (half, half, half, half, half, half)  # CPU autocast lists neither norm nor softmax nor sum
+    assert run_ops() == cpu
+    with autocast_policy.cuda_policy():
+        assert run_ops() == (half, full, full, full, full, half)  # cat is CPU-only: falls through, as on CUDA
+    assert run_ops() == cpu
+
+
+class FunctionLog(TorchFunctionMode):
+    """Every torch function called, with its outputs' dtypes: the same calls on either device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[str, ...]]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        dtypes = tuple(str(o.dtype) for o in outs if isinstance(o, torch.Tensor))
+        if dtypes:
+            self.calls.append((getattr(func, "__name__", str(func)), dtypes))
+        return out
+
+
+@contextlib.contextmanager
+def real_cuda_autocast() -> Iterator[None]:
+    """PyTorch's own CUDA autocast kernels, switched on directly: torch.autocast("cuda") disables itself
+    without a GPU, but fake CUDA tensors run a forward through the AutocastCUDA key all the same."""
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.float16)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled("cuda", False)
+
+
+def forward_calls(build: Any, device: str, rules: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The study step's forward and loss on fake tensors on `device`, under `rules`' autocast."""
+    emulate = autocast_policy.cuda_policy() if rules == "emulated" else contextlib.nullcontext()
+    with emulate, FakeTensorMode():
+        with torch.device(device):
+            model = build()
+            images, labels = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+        autocast = real_cuda_autocast() if device == "cuda" else torch.autocast("cpu", dtype=torch.float16)
+        with autocast, FunctionLog() as log:
+            F.cross_entropy(model(images), labels)
+    return log.calls
+
+
+@pytest.mark.parametrize("variant", ["baseline", "accumulation", "tutorial_accumulation", "accum_checkpointing"])
+def test_every_call_of_the_study_models_gets_the_dtype_cuda_autocast_gives_it(variant: str) -> None:
+    """Both norms, both swaps, checkpointing: call by call, the emulation's output dtypes are those of PyTorch's
+    real CUDA autocast kernels (on fake CUDA tensors); the CPU's own policy differs wherever GroupNorm runs."""
+    build = trace.variant_builder(params.load(ROOT / "params.yaml"), variant, "cuda")
+    cuda = forward_calls(build, "cuda", "real")
+    assert forward_calls(build, "cpu", "emulated") == cuda
+    norms = {dtypes for name, dtypes in cuda if name in ("group_norm", "batch_norm")}
+    if "group_norm" in {name for name, _ in cuda}:
+        assert norms == {("torch.float32",)}
+        assert forward_calls(build, "cpu", "cpu") != cuda
+    else:
+        assert norms == {("torch.float16",)}  # batch_norm is in no list: the input's float16
+
+
+def test_checkpointings_recompute_in_backward_keeps_cudas_policy() -> None:
+    build = trace.variant_builder(params.load(ROOT / "params.yaml"), "accum_checkpointing", "cuda")
+    with autocast_policy.cuda_policy(), FakeTensorMode():
+        model = build()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(torch.randn(4, 1, 28, 28)), torch.randint(0, 10, (4,)))
+        with DispatchLog() as log:
+            loss.backward()
+    recomputed = [out.dtype for name, out in log.calls if name == "aten.native_group_norm.default"]
+    assert len(recomputed) > 40 and set(recomputed) == {torch.float32}  # the blocks' norms, run again
+
+
+class DispatchLog(TorchDispatchMode):
+    """Every aten op below autograd, with its first output: what backward (and a recompute in it) runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, Any]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((str(func), out[0] if isinstance(out, (tuple, list)) else out))
+        return out
+
+
+def norm_model(channels: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, channels, 3, padding=1, bias=False),
+        nn.GroupNorm(1, channels),
+        nn.SiLU(),
+        nn.Flatten(),
+        nn.Linear(channels * 28 * 28, 10, bias=False),
+    )
+
+
+def test_a_groupnorm_model_traced_under_cudas_policy_counts_float32_where_cuda_saves_it() -> None:
+    """conv -> GroupNorm -> SiLU -> linear, n = micro x channels x 28 x 28 values a map. CUDA saves the norm's
+    float32 copy of the conv output and the norm's float32 output (SiLU's input), the CPU float16 maps.
+    Under CUDA's policy the peak is SiLU's backward: those two float32 maps (8n bytes of activations, beside
+    the uint8 images and the conv's float16 copy of the input) and two float32 gradients of a map (8n of
+    temporaries); the CPU's policy holds float16 maps there instead, less in all."""
+    micro, channels = 64, 32
+    n = micro * channels * 28 * 28
+
+    def traced(policy: str) -> dict[str, float]:
+        return trace.trace_step(lambda: norm_model(channels), micro, 2, 10, torch.float16, policy=policy)
+
+    cuda, cpu = traced(autocast_policy.CUDA), traced(autocast_policy.CPU)
+    assert cuda["temporaries_mib"] * MIB == 8 * n
+    images = micro * 28 * 28 * (1 + 2)  # uint8, and the float16 copy the conv saves
+    assert 0 <= cuda["activations_mib"] * MIB - 8 * n - images < micro * 10 * 4  # logits and loss: bytes a sample
+    assert cpu["activations_mib"] * MIB < 3 * n and cpu["peak_mib"] < cuda["peak_mib"] - 5 * n / MIB
+
+
+def test_the_study_traces_record_cudas_policy_and_the_cpu_scale_its_own() -> None:
+    p = params.set_values(params.read(ROOT / "params.yaml"), ["scales.study.batch=64", "train.amp_cpu=bfloat16"])
+    study, cpu = (trace.trace_variant(p, "accumulation", scale) for scale in ("study", "cpu"))
+    assert study["autocast_policy"] == "CUDA's (torch 2.14.1 lists, emulated on the CPU)"
+    assert cpu["autocast_policy"] == "the CPU's" and cpu["amp"] == "bfloat16"
+    float32 = trace.trace_variant(p, "groupnorm_precision", "study")
+    assert float32["autocast_policy"] == "none (float32, no autocast)"
