@@ -4,9 +4,10 @@
     python -m gradaccum.cards -S accum=8 -S model.name=resnet18 --cards 8 24 80 --variants accumulation
 
 Each variant's training step is traced on fake tensors (gradaccum/trace.py), under CUDA's autocast rules
-for the study scale (GroupNorm in float32, as a GPU runs it), a few seconds a variant: as
-configured it fits a card when its traced peak is at most the card less memory.safety_margin (which has
-to hold the CUDA context and the allocator's cache); when it does not, the fewest micro-batches that would.
+for the study scale (GroupNorm in float32, as a GPU runs it), a few seconds a variant; its allocations,
+replayed through a model of CUDA's caching allocator with the CUDA context added (gradaccum/allocator.py),
+predict nvidia-smi's figure. As configured a variant fits a card when that figure is at most the card less
+memory.safety_margin; when it does not, the fewest micro-batches that would.
 """
 
 from __future__ import annotations
@@ -18,33 +19,48 @@ from typing import Any
 
 import pandas as pd
 
-from gradaccum import models, params, planner, trace
+from gradaccum import allocator, models, params, planner, trace
 
 
 def answer(p: params.Params, variants: list[str], cards_gb: list[float], scale: str = "study") -> list[dict[str, Any]]:
-    """A row per variant: its traced peak and, per card, "fits" or the smallest accum that would fit
-    (with `accum: auto`, which has no accum to trace, the smallest accum on every card)."""
+    """A row per variant: its traced tensors, the nvidia-smi figure they predict on a GPU (the allocator's
+    cache and the CUDA context on top: gradaccum/allocator.py) and, per card, "fits" when that figure is at
+    most the card less memory.safety_margin, or the smallest accum that would fit (with `accum: auto`,
+    which has no accum to trace, the smallest accum on every card). A suggested accum is traced itself,
+    and raised until it fits: the line between two traced sizes only proposes it."""
     batch, margin = p.scale_settings(scale).batch, p.memory.safety_margin
     rows = []
     for variant in variants:
         traced = trace.trace_variant(p, variant, scale)
-        peak = traced.get("peak_mib")
+        need = trace.figure(traced) if "peak_mib" in traced else None
         row: dict[str, Any] = {
             "variant": variant,
-            "accum x micro-batch": f"{traced['accum']} x {traced['micro_batch']}" if peak else "auto",
-            "traced GiB": peak / 1024 if peak else math.nan,  # shown as -
+            "accum x micro-batch": f"{traced['accum']} x {traced['micro_batch']}" if need else "auto",
+            "traced GiB": traced["peak_mib"] / 1024 if need else math.nan,  # shown as -
         }
+        if scale == "study":
+            row["nvidia-smi GiB (predicted)"] = need / 1024 if need else math.nan
         line = None  # two more traces, only for a card the variant does not fit as configured
         for card in cards_gb:
             usable = card * planner.GIB_MIB * (1 - margin)
-            if peak and peak <= usable:
+            if need and need <= usable:
                 row[f"{card:g} GB"] = "fits"
                 continue
             line = line or trace.variant_line(p, variant, scale)
-            accum = planner.smallest_accum(line, usable, batch)
+            accum = fitting_accum(p, variant, scale, planner.smallest_accum(line, usable, batch), usable)
             row[f"{card:g} GB"] = f"accum {accum}" if accum else "no"
         rows.append(row)
     return rows
+
+
+def fitting_accum(p: params.Params, variant: str, scale: str, accum: int | None, usable: float) -> int | None:
+    """`accum`, or the next one up, whose own traced figure fits `usable` MiB (None: nothing fits)."""
+    batch = p.scale_settings(scale).batch
+    while accum is not None and accum <= batch:
+        if trace.figure(trace.trace_variant(p, variant, scale, accum=accum)) <= usable:
+            return accum
+        accum += 1
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,9 +89,16 @@ def main(argv: list[str] | None = None) -> None:
         else f"autocast {p.train.amp_cpu} under the CPU's rules"
     )
     print(
-        f"{p.model.name}, effective batch {s.batch} ({args.scale} scale), {amp}: traced "
-        f"peak per variant; a card fits it when the peak is at most the card less {p.memory.safety_margin:.0%}; "
-        "otherwise the smallest accum that would, or no\n"
+        f"{p.model.name}, effective batch {s.batch} ({args.scale} scale), {amp}: traced tensors per variant"
+        + (
+            " and the nvidia-smi figure they predict (the caching allocator's cache and an assumed "
+            f"{allocator.CUDA_CONTEXT // allocator.MIB} MiB CUDA context on top); a card fits a variant when that "
+            "figure"
+            if args.scale == "study"
+            else "; a card fits a variant when its traced peak"
+        )
+        + f" is at most the card less {p.memory.safety_margin:.0%}; otherwise the smallest accum that would "
+        "(itself traced), or no\n"
     )
     print(pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.2f}", na_rep="-"))
 

@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.layers import is_fast_norm, set_fast_norm
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _UpdateType
 
-from gradaccum import autocast_policy
+from gradaccum import allocator, autocast_policy
 from gradaccum.accumulation import micro_batch_size
 from gradaccum.loop import amp_dtype, make_optimizer, normalize
 from gradaccum.memory import MIB
@@ -53,7 +54,23 @@ DEVICES = {"study": "cuda", "cpu": "cpu"}  # where each scale trains: its dtype,
 
 class PeakTracker(MemTracker):
     """MemTracker keeping the whole step's peak only: its per-module peaks, updated on every operation for
-    every module (about 250 here), made a trace 4x slower (3.5 s against 0.9 s an efficientnet_b0 step)."""
+    every module (about 250 here), made a trace 4x slower (3.5 s against 0.9 s an efficientnet_b0 step).
+
+    It also keeps every storage's allocation and free in order (`events`), for the caching allocator's
+    model to replay (gradaccum/allocator.py): MemTracker sees each storage once when it is made and once
+    when it dies.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, object, int]] = []
+
+    def _update_snap(self, u_type: _UpdateType, winfo: Any, *args: Any, **kwargs: Any) -> None:
+        if u_type in (_UpdateType.DEL, _UpdateType.SIZE):
+            self.events.append(("free", winfo, 0))
+        super()._update_snap(u_type, winfo, *args, **kwargs)
+        if u_type in (_UpdateType.ADD, _UpdateType.SIZE):
+            self.events.append(("malloc", winfo, winfo.mem_consumed))
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         for device, snapshot in self._curr_mem_snap.items():
@@ -102,7 +119,9 @@ def trace_step(
     """MiB live at the peak of a steady-state step on fake tensors, in total and by kind.
 
     `data` uint8 images stay resident, as training keeps its dataset on the device. `policy` is whose
-    autocast rules cast each op ("cuda" or "cpu"): a GPU figure needs CUDA's.
+    autocast rules cast each op ("cuda" or "cpu"): a GPU figure needs CUDA's, and with them comes what
+    CUDA's caching allocator would make of the same allocations (gradaccum/allocator.py): its allocated
+    and reserved peaks and the nvidia-smi figure they predict.
     """
     rules = autocast_policy.cuda_policy() if policy == autocast_policy.CUDA else contextlib.nullcontext()
     with rules, FakeTensorMode():
@@ -112,10 +131,15 @@ def trace_step(
         tracker = PeakTracker()
         tracker.track_external(model, opt, dataset)
         with tracker:
+            start = len(tracker.events)  # what was there before the step: weights, optimizer state, data
             step(model, opt, micro, num_classes, dtype)
+            events = list(tracker.events)
         (peak,) = tracker.get_tracker_snapshot("peak").values()  # one device
     kinds = {ours: peak.get(theirs, 0) / MIB for theirs, ours in KINDS.items()}
-    return {"peak_mib": sum(kinds.values()), **{f"{k}_mib": v for k, v in kinds.items()}}
+    row = {"peak_mib": sum(kinds.values()), **{f"{k}_mib": v for k, v in kinds.items()}}
+    if policy == autocast_policy.CUDA:
+        row |= allocator.predict_gpu(events[:start], events[start:])
+    return row
 
 
 def allocated_peak_mib(
@@ -173,19 +197,39 @@ def variant_builder(p: Params, variant: str, device_type: str) -> Callable[[], n
     return builder(p, device_type, v.norm, v.swap, v.checkpointing)
 
 
-def trace_variant(p: Params, variant: str, scale: str, allocated: bool = False) -> dict[str, Any]:
-    """The traced peak of one variant at one scale, with its breakdown; `allocated` adds the real CPU run's."""
+def with_fast_norm(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """`build` with timm's fast norm on (timm.layers.set_fast_norm): its GroupNormAct layers, which read the
+    switch when made, run GroupNorm in the autocast dtype instead of the float32 CUDA's autocast gives it.
+    nn.GroupNorm (the tutorial's plain swap) ignores it."""
+
+    def make() -> nn.Module:
+        before = is_fast_norm()
+        set_fast_norm(True)
+        try:
+            return build()
+        finally:
+            set_fast_norm(before)
+
+    return make
+
+
+def trace_variant(
+    p: Params, variant: str, scale: str, allocated: bool = False, accum: int | None = None, fast_norm: bool = False
+) -> dict[str, Any]:
+    """The traced peak of one variant at one scale, with its breakdown; `allocated` adds the real CPU run's;
+    `accum` traces it at that many micro-batches instead of its own; `fast_norm` with timm's fast norm."""
     s, device_type = p.scale_settings(scale), DEVICES[scale]
     row: dict[str, Any] = {"variant": variant, "scale": scale}
-    if p.variants[variant].accum == "accum" and p.accum == "auto":  # decided against a device's memory
+    if accum is None and p.variants[variant].accum == "accum" and p.accum == "auto":  # decided on the device
         return row | {"note": "accum: auto is decided on the device that runs it; see python -m gradaccum.cards"}
-    accum = variant_accum_steps(p, variant)
+    accum = accum or variant_accum_steps(p, variant)
     micro = micro_batch_size(s.batch, accum)
     dtype = amp_dtype(torch.device(device_type), p.train, p.variants[variant].precision)
     build = variant_builder(p, variant, device_type)
+    build = with_fast_norm(build) if fast_norm else build
     args = (build, micro, accum, p.model.num_classes, dtype, s.train_samples + s.test_samples)
     row |= {"accum": accum, "micro_batch": micro, "amp": str(dtype).replace("torch.", "") if dtype else "float32"}
-    row |= {"autocast_policy": policy_name(device_type, dtype)}
+    row |= {"autocast_policy": policy_name(device_type, dtype)} | ({"fast_norm": True} if fast_norm else {})
     row |= trace_step(*args, policy=device_type)
     if allocated:
         row["allocated_peak_mib"] = allocated_peak_mib(*args)
@@ -209,16 +253,23 @@ def peak_line(
     data: int,
     policy: str = autocast_policy.CPU,
 ) -> dict[str, float]:
-    """The traced peak as a line in the micro-batch (the planner's `fit` format), from two sizes.
+    """The traced peak as a line in the micro-batch (the planner's `fit` format), from two sizes; under
+    CUDA's policy the predicted nvidia-smi figure (tensors, the allocator's cache, the context) instead.
 
     The peak is the larger of the optimizer step's (flat) and backward's (growing exactly with the batch):
     two sizes where backward sets it give the line exactly, and a chord across both parts lies above the
     peak between them. Traced with a window's gradients held (accum > 1), the larger of the two steady
     states, so a suggested accum never falls short.
     """
-    low, high = (trace_step(build, m, 2, num_classes, dtype, data, policy)["peak_mib"] for m in micros)
+    low, high = (figure(trace_step(build, m, 2, num_classes, dtype, data, policy)) for m in micros)
     per_sample = (high - low) / (micros[1] - micros[0])
     return {"fixed_mib": low - per_sample * micros[0], "per_sample_mib": per_sample, "r2": 1.0}
+
+
+def figure(row: dict[str, float]) -> float:
+    """The MiB a card must hold for a traced step: nvidia-smi's predicted figure where the step was traced
+    under CUDA's rules (a GPU), the live tensors' peak elsewhere."""
+    return row.get("gpu_nvidia_smi_mib", row["peak_mib"])
 
 
 def scale_line(p: Params, scale: str, build: Callable[[], nn.Module], dtype: torch.dtype | None) -> dict[str, float]:
@@ -251,6 +302,8 @@ def _job(p: Params, job: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
     if kind == "variant":
         variant, scale = args
         return job, trace_variant(p, variant, scale, allocated=scale == "cpu")
+    if kind == "fast_norm":
+        return job, trace_variant(p, args[0], "study", fast_norm=True)
     return job, lever_line(p, "study", checkpointing=args[0] == "checkpointing")
 
 
@@ -259,6 +312,8 @@ def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -
     GroupNorm model's line per lever at the study scale, for the GPU card table; in `workers` processes."""
     jobs = [("variant", v, scale) for scale in DEVICES for v in p.variants]
     jobs += [("line", lever) for lever in ("plain", "checkpointing")]
+    fast = [v for v in p.variants if (p.variants[v].norm, p.variants[v].swap) == ("group", "keep_act")][:1]
+    jobs += [("fast_norm", v) for v in fast if v == "accumulation"]  # the lever against GroupNorm's float32
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of a process with threads
     start = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
@@ -270,6 +325,8 @@ def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -
     return {
         "rows": rows,
         "study_lines": {lever: done[("line", lever)] for lever in ("plain", "checkpointing")},
+        "fast_norm": [done[job] for job in jobs if job[0] == "fast_norm"],  # timm's fast norm, one variant
         "torch": torch.__version__,
+        "gpu_assumptions": allocator.GPU_ASSUMPTIONS,  # what the study scale's nvidia-smi figures assume
         "compute_seconds": seconds,
     }

@@ -3,7 +3,8 @@
 # no network. Everything it measured lands in OUT: metrics, nvidia-smi snapshots, PyTorch memory snapshots
 # of the first optimizer step of the baseline and the accumulation variant (GPU only), the interleaved
 # speeds, the traced peaks (held in the report against this GPU's allocated, reserved and nvidia-smi
-# peaks), the report.
+# peaks), the report; last it prints each variant's predicted allocated, reserved and nvidia-smi figures
+# beside the measured ones, with their ratios (OUT/reports/predicted_vs_measured.txt).
 #
 #   scripts/gpu_check.sh OUT [DATA_DIR] [-S KEY=VALUE ...]
 #   scripts/gpu_check.sh /tmp/h100 /usr/share/datasets/fashion-mnist -S data.dataset=fashion_mnist
@@ -55,4 +56,6 @@ done
 step stages.report
 rm -rf "$out/reports" && cp -r reports "$out/reports"
 cp data/hardware.json data/provenance.json params.yaml "$out/reports/"
+echo "== predicted (trace, allocator model, assumed context) against measured, per variant:"
+"$python" -m gradaccum.report.traced "$out/reports" | tee "$out/reports/predicted_vs_measured.txt"
 echo "== done in $(( $(date +%s) - start )) s: $out/reports/report.html"

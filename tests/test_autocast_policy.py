@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from timm.layers import is_fast_norm
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
@@ -191,3 +192,16 @@ def test_the_study_traces_record_cudas_policy_and_the_cpu_scale_its_own() -> Non
     assert cpu["autocast_policy"] == "the CPU's" and cpu["amp"] == "bfloat16"
     float32 = trace.trace_variant(p, "groupnorm_precision", "study")
     assert float32["autocast_policy"] == "none (float32, no autocast)"
+
+
+def test_timms_fast_norm_brings_groupnorm_back_to_batchnorms_memory_under_cudas_rules() -> None:
+    """The lever against GroupNorm's float32: with timm.layers.set_fast_norm the GroupNormAct layers run in
+    float16, and the step keeps what the BatchNorm model keeps at the same micro-batch; the switch is put back."""
+    p = params.set_values(params.read(ROOT / "params.yaml"), ["scales.study.batch=256"])
+    group, fast, batch = (
+        trace.trace_variant(p, v, "study", fast_norm=f)
+        for v, f in (("accumulation", False), ("accumulation", True), ("accum_batchnorm", False))
+    )
+    assert fast["fast_norm"] and fast["activations_mib"] < 0.7 * group["activations_mib"]
+    assert fast["activations_mib"] == pytest.approx(batch["activations_mib"], rel=0.02)
+    assert not is_fast_norm()

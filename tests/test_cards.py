@@ -17,18 +17,20 @@ def test_the_tutorials_baseline_needs_accumulation_on_a_small_card() -> None:
     rows = {r["variant"]: r for r in cards.answer(p, ["baseline", "accumulation"], [8, 16, 40])}
     base, acc = rows["baseline"], rows["accumulation"]
     assert 24 < base["traced GiB"] < 27  # BatchNorm: float16 under either policy
-    assert base["8 GB"] == "accum 4" and base["40 GB"] == "fits"  # 32768 / 4 = 8192 traces to ~6.4 GiB
+    # nvidia-smi's predicted figure decides: the tensors, the allocator's cache, the CUDA context
+    assert base["traced GiB"] + 0.5 < base["nvidia-smi GiB (predicted)"] < base["traced GiB"] * 1.15
+    assert base["8 GB"] == "accum 5" and base["40 GB"] == "fits"  # 4 x 8192 predicts 7.5 GiB: over 7.2 usable
     # GroupNorm under CUDA's autocast runs in float32: 10.6 GiB at 4 x 8192 (6.4 under the CPU's rules, which
-    # said it fits an 8 GB card); it needs a sixth of the batch there
+    # said it fits an 8 GB card); it needs a seventh of the batch there
     assert 10 < acc["traced GiB"] < 11 and acc["accum x micro-batch"] == "4 x 8192"
-    assert acc["8 GB"] == "accum 6" and acc["16 GB"] == "fits"
+    assert acc["8 GB"] == "accum 7" and acc["16 GB"] == "fits"
 
 
 def test_accum_auto_gets_the_smallest_accum_per_card() -> None:
     p = params.set_values(params.read(ROOT / "params.yaml"), ["accum=auto"])
     (row,) = cards.answer(p, ["accumulation"], [8, 40])
     assert row["accum x micro-batch"] == "auto" and math.isnan(row["traced GiB"])
-    assert row["8 GB"] == "accum 6" and row["40 GB"] == "accum 2"  # the GroupNorm model, float32 norms: 41.9 GiB at 1
+    assert row["8 GB"] == "accum 7" and row["40 GB"] == "accum 2"  # the GroupNorm model, float32 norms: 41.9 GiB at 1
 
 
 def test_the_command_prints_a_row_per_variant_with_overrides(capsys: pytest.CaptureFixture[str]) -> None:

@@ -50,6 +50,9 @@ def test_gpu_check_script_on_the_cpu_path(tmp_path: Path, fashion_dir: Path) -> 
         )
     assert (reports / "speed.json").is_file() and (reports / "trace.json").is_file()  # the whole study's outputs
     assert "## Predicted without a GPU: the traced peak" in (reports / "report.md").read_text()
+    table = (reports / "predicted_vs_measured.txt").read_text()  # printed last; on the CPU, predictions only
+    assert "nvidia-smi, predicted (GiB)" in table and "No GPU ran the study here: predictions only." in table
+    assert table in result.stdout
     provenance = json.loads((reports / "provenance.json").read_text())
     assert provenance["kind"] == "local" and provenance["dataset"] == "fashion_mnist"
     assert (ROOT / "params.yaml").read_bytes() == before  # the checkout's params are untouched

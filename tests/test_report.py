@@ -6,6 +6,7 @@ Numbers in the tables are parsed back and compared with the metrics files they c
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from PIL import Image
 from gradaccum.loop import EPOCH_COLUMNS, STEP_COLUMNS
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import write_json, write_table
-from gradaccum.report import tables
+from gradaccum.report import tables, traced
 from stages import report
 
 VARIANTS = {
@@ -296,10 +297,15 @@ def trace_fixture(p: dict[str, Any]) -> dict[str, Any]:
             row["peak_mib"] = 105.0 + twice * per_sample * micro
             if scale == "cpu":
                 row["allocated_peak_mib"] = row["peak_mib"] * (1.1 if v.get("checkpointing") else 1.0)
+            else:  # the allocator's model: 64 MiB of cuBLAS workspaces, 5% cache; a 500 MiB context
+                row |= {"gpu_allocated_mib": row["peak_mib"] + 64, "gpu_reserved_mib": row["peak_mib"] * 1.05 + 64}
+                row |= {"gpu_context_mib": 500.0, "gpu_nvidia_smi_mib": row["gpu_reserved_mib"] + 500}
             rows.append(row)
     line = {"fixed_mib": 105.0, "per_sample_mib": 0.78, "r2": 1.0}
     lines = {"plain": line, "checkpointing": line | {"per_sample_mib": 0.2}}
-    return {"rows": rows, "study_lines": lines, "compute_seconds": 30.0, "stage_seconds": 34.0}
+    assumed = {"CUDA context": "500 MiB, assumed"}
+    seconds = {"compute_seconds": 30.0, "stage_seconds": 34.0}
+    return {"rows": rows, "study_lines": lines, "gpu_assumptions": assumed, **seconds}
 
 
 def mean_loss(m: dict[str, Any]) -> float:
@@ -448,15 +454,21 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     traced = {r["variant"]: r for r in md_table(md, "Predicted without a GPU: the traced peak")}
     assert set(traced) == set(metrics)
     assert traced["accumulation"]["traced peak (GiB)"] == f"{(105 + 0.78 * 8192) / 1024:.2f}"
-    if device == "cuda" and metrics["accumulation"]["fit"]:  # the GPU's own figures beside the trace
+    acc_tensors = 105 + 0.78 * 8192
+    assert traced["accumulation"]["nvidia-smi, predicted (GiB)"] == f"{(acc_tensors * 1.05 + 564) / 1024:.2f}"
+    if device == "cuda" and metrics["accumulation"]["fit"]:  # the GPU's own figures beside the predictions
         allocated = metrics["accumulation"]["memory"]["torch_max_allocated_mib"]
-        shown = float(traced["accumulation"]["traced / allocated"])
-        assert shown == pytest.approx((105 + 0.78 * 8192) / allocated, abs=1e-3)
+        shown = float(traced["accumulation"]["allocated: predicted / measured"])
+        assert shown == pytest.approx((acc_tensors + 64) / allocated, abs=1e-3)
+        assert "Predicted against measured: allocated: " in md
     else:
-        assert "traced / allocated" not in traced["accumulation"]
-    cards_traced = {r["card (GB)"]: r for r in md_table(md, "Predicted without a GPU: the traced peak", 1)}
+        assert "allocated: predicted / measured" not in traced["accumulation"]
+        assert "wait for `scripts/gpu_check.sh` on one" in md
+    assumed = md_table(md, "Predicted without a GPU: the traced peak", 1)
+    assert assumed == [{"on top of the allocator": "CUDA context", "assumed (source)": "500 MiB, assumed"}]
+    cards_traced = {r["card (GB)"]: r for r in md_table(md, "Predicted without a GPU: the traced peak", 2)}
     assert cards_traced["8.0"]["plain"].startswith("accum 4 (micro-batch 8192)")  # 105 + 0.78 m <= 7373 MiB
-    validated = {r["variant"]: r for r in md_table(md, "Predicted without a GPU: the traced peak", 2)}
+    validated = {r["variant"]: r for r in md_table(md, "Predicted without a GPU: the traced peak", 3)}
     assert validated["accumulation"]["verdict"] == "within 5%"
     assert validated["accumulation"]["activations, temporaries"] == f"{1.5 * 64:.0f}"  # the breakdown, both scales
     assert validated["accumulation"]["weights, gradients, optimizer, data"] == "105"
@@ -464,12 +476,14 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     assert "Off by more than 5%: checkpointing (-9.1%" in md
     claimed = {r["tutorial's claim"]: r for r in md_table(md, "The tutorial's claims against this run")}
     thirty = claimed["about 30 GB at batch 32768 (BatchNorm), in nvidia-smi"]
-    assert thirty["measured"].startswith(f"traced allocation {(105 + 0.78 * 32768) / 1024:.1f} GiB")
-    fourteen = claimed["about 13.7 GB with 8192 x 4 (GroupNorm), in nvidia-smi"]["verdict"]
-    left = 13.7 - (105 + 0.78 * 8192) / 1024  # more than the traced 6.3 GiB itself
-    assert fourteen.endswith(
-        f"the other {left:.1f} GB, more than the step's own tensors, are unexplained without a GPU run"
-    )
+    base_tensors = (105 + 0.78 * 32768) / 1024
+    assert thirty["measured"].startswith(f"`baseline` predicted: tensors {base_tensors:.1f} GiB")
+    assert thirty["verdict"].startswith(f"of the claim, the tensors explain {base_tensors / 30:.0%}")
+    fourteen = claimed["about 13.7 GB with 8192 x 4 (GroupNorm), in nvidia-smi"]  # the tutorial's own code
+    smi = (acc_tensors * 1.05 + 564) / 1024
+    assert fourteen["measured"].startswith("`tutorial_accumulation` predicted")
+    assert fourteen["verdict"].endswith(f"{(13.7 - smi) / 13.7:.0%} ({13.7 - smi:.1f} GiB) is still unexplained")
+    assert "the norm swap costs no memory here" in md  # the fixture's two norms trace alike: no finding
 
     planned = {r["variant"]: r for r in md_table(md, "Which card fits: the memory planner", 1)}
     assert set(planned) == set(metrics)
@@ -565,3 +579,33 @@ def test_a_speed_difference_is_called_only_when_the_rounds_agree(per_round: list
         }
     }
     assert tables.speed_verdict(tables.speed_ratios(speed)["accumulation"]).startswith(verdict)
+
+
+def test_the_predictions_are_printed_beside_what_the_gpu_measured(
+    workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What scripts/gpu_check.sh prints last: per variant, predicted against measured with the ratio."""
+    metrics = fixture_run(workdir, "cuda")
+    shutil.copy(workdir / "data/hardware.json", workdir / "reports/hardware.json")
+    traced.main([str(workdir / "reports")])
+    out = capsys.readouterr().out
+    acc = next(line for line in out.splitlines() if line.strip().startswith("accumulation "))
+    allocated = metrics["accumulation"]["memory"]["torch_max_allocated_mib"]
+    assert f"{(105 + 0.78 * 8192 + 64) / allocated:.3f}" in acc.split()
+    assert "Predicted against measured: allocated: " in out and "variants within 3%" in out
+
+
+def test_groupnorms_cost_on_a_gpu_is_a_finding_with_its_lever() -> None:
+    """The trace's own figures at 4 x 8192 (CUDA's rules): GroupNorm 10696 MiB of activations, BatchNorm 6399."""
+    row = {"scale": "study", "accum": 4, "micro_batch": 8192}
+    rows = [
+        row | {"variant": "accumulation", "activations_mib": 10696.0, "peak_mib": 10810.0},
+        row | {"variant": "accum_batchnorm", "activations_mib": 6399.0, "peak_mib": 6513.0},
+    ]
+    fast = row | {"variant": "accumulation", "peak_mib": 6513.0, "gpu_nvidia_smi_mib": 7680.0, "fast_norm": True}
+    text = traced.groupnorm_cost({"rows": rows, "fast_norm": [fast]})
+    assert text.startswith("**GroupNorm is not free on a GPU.**") and "1.67x BatchNorm's activations" in text
+    assert f"{(10696 - 6399) / 8192 * 1024:.0f} KiB more per sample" in text
+    assert "`accumulation` with it traces to 6.36 GiB (10.56 without, nvidia-smi 7.50 predicted)" in text
+    assert "has not measured what it does to the loss" in text
+    assert traced.groupnorm_cost({"rows": rows[:1]}) == ""  # no BatchNorm twin: no finding

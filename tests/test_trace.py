@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
 
 from gradaccum import models, params, trace
 from gradaccum.memory import MIB
@@ -27,6 +27,7 @@ def test_the_private_api_the_trace_reads_is_still_there() -> None:
     tracker = trace.PeakTracker()
     assert isinstance(tracker, MemTracker) and tracker._peak_mem == {} and tracker._curr_mem_snap == {}
     assert callable(MemTracker._update_peak_stats) and callable(tracker.get_tracker_snapshot)
+    assert {u.name for u in _UpdateType} == {"ADD", "DEL", "REF", "SIZE"} and callable(MemTracker._update_snap)
 
 
 def test_a_linear_models_step_traces_to_the_hand_count() -> None:

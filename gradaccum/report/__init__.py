@@ -229,21 +229,29 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
         "gradaccum.cards` for other params. The study scale follows CUDA's autocast rules, not the CPU's: "
         "PyTorch's CUDA lists, emulated op by op on the CPU (gradaccum/autocast_policy.py), so GroupNorm and "
         "what follows it are float32 as on a GPU (CPU autocast would keep them float16); the policy column "
-        "says which rules each row followed. The trace counts the tensors the step holds; a GPU adds the CUDA "
-        "context, cuDNN workspaces and the caching allocator's reserve, which nvidia-smi shows and the trace cannot."
+        "says which rules each row followed. The step's allocations and frees, replayed through a model of "
+        "PyTorch's CUDA caching allocator (gradaccum/allocator.py: 512-byte rounding, 2 MiB small and 20 MiB "
+        "large segments, best fit with splitting, nothing returned), predict torch.cuda's allocated and reserved "
+        "peaks; nvidia-smi's adds the CUDA context, an assumption listed below."
         + (
-            " Beside it, what this GPU measured."
+            " Beside each prediction, what this GPU measured."
             if on_gpu
-            else " No GPU ran here: the GPU's own figures are unknown, and the goal (the trace within 5% of "
-            "torch.cuda.max_memory_allocated) waits for `scripts/gpu_check.sh` on one."
+            else " No GPU ran here: the goals (allocated within 3% of torch.cuda.max_memory_allocated, reserved and "
+            "nvidia-smi within 10%) wait for `scripts/gpu_check.sh` on one."
         )
     )
     rep.table(traced.study_rows(trace, inputs.results, on_gpu))
+    if on_gpu:
+        rep.text("Predicted against measured: " + traced.gpu_verdicts(trace, inputs.results))
+    if finding := traced.groupnorm_cost(trace):
+        rep.text(finding)
+    rep.text("What the nvidia-smi predictions assume on top of the traced tensors and the allocator's rules:")
+    rep.table(traced.assumptions(trace))
     rep.text(
         f"GPU cards at the study scale (effective batch {study.batch}), from the trace: the fewest micro-batches "
-        f"whose traced peak fits in the card less {p.memory.safety_margin:.0%}, which must hold the CUDA context "
-        "and the allocator's cache"
-        + (" (measured on this GPU in the sweep's points)." if on_gpu else " (unmeasured: no GPU ran here).")
+        f"whose predicted nvidia-smi figure fits in the card less {p.memory.safety_margin:.0%} (a line through "
+        "two traced sizes; `python -m gradaccum.cards` traces the suggested micro-batch itself)"
+        + (" (measured on this GPU in the sweep's points)." if on_gpu else ".")
     )
     rep.table(traced.card_rows(trace, study.batch, p.memory.cards_gb, p.memory.safety_margin))
     cpu_results = inputs.results if hw["scale"] == "cpu" else {}
