@@ -6,7 +6,8 @@ The `train@<variant>` stage wires the pipeline's files around `run_variant`; the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -22,8 +23,8 @@ from gradaccum.loop import amp_dtype, train
 from gradaccum.memory import MIB, FirstStepSnapshot, MemorySampler, is_out_of_memory, peak_rss_mib
 from gradaccum.models import build_model, count_parameters
 from gradaccum.params import Params, Scale, Variant
-from gradaccum.records import DidNotFit, MemoryPeaks, SeedRun, VariantRecord
-from gradaccum.tutorial import CORRECTED, kept_mistakes
+from gradaccum.records import CudnnRun, DidNotFit, MemoryPeaks, SeedRun, VariantRecord
+from gradaccum.tutorial import CORRECTED, CUDNN, kept_mistakes
 
 
 def resolved_accum(p: Params, plan: dict[str, Any] | None, checkpointing: bool = False) -> int | None:
@@ -153,24 +154,27 @@ def run_variant(
     failure, not_run = plan_check(p, device, micro, plan, world), emulation_check(p, hw, dtype)
     steps: list[dict[str, Any]] = []
     first_seed = partial(train_variant, model, data, p, variant, scale, accum, dtype, p.seed, rank, world, steps)
-    rows, failure, sampler, alone = measured_training(
-        first_seed, device, p.memory.interval_ms, failure, rank, world, memory_snapshot, not not_run
-    )
-    memory = peak_memory(sampler, device, 1 if alone else world)  # alone: no collective can complete
-    seeds, seconds = [], sum(r["seconds"] for r in rows)
-    if rows:  # the first seed's end point, then each further seed's run: the yardstick for every difference
-        seeds = [SeedRun(seed=p.seed, final_train_loss=rows[-1]["train_loss"], test_accuracy=rows[-1]["test_accuracy"])]
-        for seed in range(p.seed + 1, p.seed + p.seeds):
-            again = variant_model(p, variant, seed, device, sync_bn)
-            more = train_variant(again, data, p, variant, scale, accum, dtype, seed, rank, world)
-            seconds, end = seconds + sum(r["seconds"] for r in more), more[-1]
-            seeds.append(SeedRun(seed=seed, final_train_loss=end["train_loss"], test_accuracy=end["test_accuracy"]))
+    with cudnn_settings(v.cudnn, device) as cudnn:
+        rows, failure, sampler, alone = measured_training(
+            first_seed, device, p.memory.interval_ms, failure, rank, world, memory_snapshot, not not_run
+        )
+        memory = peak_memory(sampler, device, 1 if alone else world)  # alone: no collective can complete
+        seeds, seconds = [], sum(r["seconds"] for r in rows)
+        if rows:  # the first seed's end point, then each further seed's run: the yardstick for every difference
+            end = rows[-1]
+            seeds = [SeedRun(seed=p.seed, final_train_loss=end["train_loss"], test_accuracy=end["test_accuracy"])]
+            for seed in range(p.seed + 1, p.seed + p.seeds):
+                again = variant_model(p, variant, seed, device, sync_bn)
+                more = train_variant(again, data, p, variant, scale, accum, dtype, seed, rank, world)
+                seconds, end = seconds + sum(r["seconds"] for r in more), more[-1]
+                seeds.append(SeedRun(seed=seed, final_train_loss=end["train_loss"], test_accuracy=end["test_accuracy"]))
     record = VariantRecord(
         variant=variant,
         norm=v.norm,
         **{key: getattr(v, key) for key in CORRECTED},
         checkpointing=v.checkpointing,
         precision=v.precision,
+        cudnn=cudnn,
         accum=accum,
         accum_setting=v.accum if v.accum != "accum" else p.accum,  # "auto" resolved into accum
         micro_batch=micro,
@@ -291,3 +295,22 @@ def peak_memory(sampler: MemorySampler, device: torch.device, world: int) -> Mem
         k: max(m[k] for m in per_rank) if k.endswith("_mib") and memory[k] is not None else memory[k] for k in memory
     }
     return MemoryPeaks(**largest, per_rank=[MemoryPeaks(**m) for m in per_rank])
+
+
+@contextlib.contextmanager
+def cudnn_settings(setting: str, device: torch.device) -> Iterator[dict[str, Any]]:
+    """The variant's cuDNN flags while it trains, and a record of what ran: on a CPU nothing changes (cuDNN is
+    CUDA's library) and the record says so."""
+    flags = CUDNN[setting]  # gradaccum/tutorial.py
+    if device.type != "cuda":
+        yield CudnnRun(setting=setting, applied=False, note="a CPU: cuDNN is CUDA's library, nothing was set")
+        return
+    cudnn = torch.backends.cudnn
+    saved = {k: getattr(cudnn, k) for k in flags}
+    for k, value in flags.items():
+        setattr(cudnn, k, value)
+    try:
+        yield CudnnRun(setting=setting, applied=True, **flags)
+    finally:
+        for k, value in saved.items():
+            setattr(cudnn, k, value)

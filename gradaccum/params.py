@@ -151,6 +151,11 @@ class Variant(Section):
         "one of keep_act (GroupNormAct keeps timm's fused activation), plain (nn.GroupNorm, the tutorial)",
         default=CORRECTED["swap"],
     )
+    cudnn: Literal["default", "tutorial"] = _allowed(
+        "one of default (PyTorch's cuDNN flags), tutorial (its seed_torch: cudnn.enabled = False, deterministic = "
+        "True, benchmark = False; CUDA only, nothing changes on a CPU)",
+        default="default",
+    )
     # The other memory levers:
     checkpointing: bool = _allowed(
         "true (activation checkpointing, non-reentrant; GroupNorm only) or false", default=False

@@ -44,6 +44,17 @@ class MemoryPeaks(Record):
     per_rank: list[MemoryPeaks] | None = None  # with several processes: each one's; the fields above are the max
 
 
+class CudnnRun(Record):
+    """The cuDNN flags a variant trained under (params `cudnn`); on a CPU none were set."""
+
+    setting: Literal["default", "tutorial"] = "default"
+    applied: bool = False
+    enabled: bool | None = None
+    deterministic: bool | None = None
+    benchmark: bool | None = None
+    note: str = ""
+
+
 class VariantRecord(Record):
     """reports/variants/<variant>/metrics.json."""
 
@@ -54,6 +65,7 @@ class VariantRecord(Record):
     swap: Literal["keep_act", "plain"]
     checkpointing: bool = False
     precision: Literal["default", "other"] = "default"
+    cudnn: CudnnRun = CudnnRun()  # records from before the switch: PyTorch's defaults
     accum: int
     accum_setting: int | str  # what params.yaml said: an integer, or "auto" resolved into accum
     micro_batch: int

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gradaccum.accumulation import micro_batch_size, schedule
-from gradaccum.experiment import emulation_check, variant_accum, variant_model
+from gradaccum.experiment import cudnn_settings, emulation_check, variant_accum, variant_model
 from gradaccum.loop import amp_dtype, make_optimizer, make_scaler, train_epoch
 from gradaccum.memory import is_out_of_memory
 from gradaccum.params import Params
@@ -56,11 +56,12 @@ def time_variants(
                 continue
             model, opt, scaler, dtype, plan_, _ = arms[name]
             try:
-                start = time.perf_counter()
-                train_epoch(model, opt, scaler, images, labels, order, plan_, dtype)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                seconds = time.perf_counter() - start
+                with cudnn_settings(p.variants[name].cudnn, device):  # as the variant trains (a GPU only)
+                    start = time.perf_counter()
+                    train_epoch(model, opt, scaler, images, labels, order, plan_, dtype)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    seconds = time.perf_counter() - start
                 compute += seconds
             except Exception as err:
                 if not is_out_of_memory(err):

@@ -21,6 +21,14 @@ CORRECTIONS = (
     Correction("swap", "keep_act", "plain", "plain GroupNorm swap"),
 )
 CORRECTED = {c.key: c.corrected for c in CORRECTIONS}
+# torch.backends.cudnn flags: PyTorch's defaults, and the tutorial's seed_torch (cuDNN off: PyTorch's own CUDA
+# convolutions, one per-sample im2col buffer and direct depthwise kernels instead of cuDNN's workspaces).
+CUDNN = {
+    "default": {"enabled": True, "deterministic": False, "benchmark": False},
+    "tutorial": {"enabled": False, "deterministic": True, "benchmark": False},
+}
+
+
 CLAIMS = {"baseline_gb": 30.0, "accumulation_gb": 13.7, "batch": 32768, "micro": 8192, "accum": 4}
 
 

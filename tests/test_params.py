@@ -233,6 +233,7 @@ def test_tutorial_switches_default_to_the_corrected_code() -> None:
         "swap": "keep_act",
         "checkpointing": False,
         "precision": "default",
+        "cudnn": "default",
     }
     tutorial = p.variants["tutorial_accumulation"]
     assert (tutorial.weighting, tutorial.epoch_end_step, tutorial.swap) == ("divide", False, "plain")

@@ -342,3 +342,29 @@ def test_a_loss_per_optimizer_step_whose_weighted_mean_is_the_epoch_loss() -> No
         step_rows=rows,
     )
     assert [(r["step"], r["epoch"]) for r in rows] == [(1, 1), (2, 1), (3, 2), (4, 2)]
+
+
+def test_the_tutorials_cudnn_flags_are_set_on_a_gpu_only_and_put_back() -> None:
+    """seed_torch's cudnn.enabled = False, deterministic = True while the variant trains, PyTorch's flags after;
+    setting torch.backends.cudnn's flags needs no GPU, so the CUDA path is checked here too."""
+    cudnn = torch.backends.cudnn
+    before = (cudnn.enabled, cudnn.deterministic, cudnn.benchmark)
+    with experiment.cudnn_settings("tutorial", torch.device("cuda")) as ran:
+        assert (cudnn.enabled, cudnn.deterministic, cudnn.benchmark) == (False, True, False)
+    assert (cudnn.enabled, cudnn.deterministic, cudnn.benchmark) == before
+    assert ran.applied and (ran.setting, ran.enabled, ran.deterministic) == ("tutorial", False, True)
+    with experiment.cudnn_settings("tutorial", torch.device("cpu")) as ran:
+        assert (cudnn.enabled, cudnn.deterministic, cudnn.benchmark) == before  # a CPU: nothing changes
+    assert not ran.applied and ran.enabled is None and "nothing was set" in ran.note
+
+
+def test_the_tutorial_variants_record_says_its_cudnn_switch_changed_nothing_on_a_cpu(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stage_inputs(workdir)
+    flags = []
+    monkeypatch.setattr(experiment, "train", lambda *a, **k: flags.append(torch.backends.cudnn.enabled) or [])
+    train_stage.main("tutorial_accumulation")
+    record = json.loads((workdir / "reports/variants/tutorial_accumulation/metrics.json").read_text())["cudnn"]
+    assert record["setting"] == "tutorial" and record["applied"] is False and "CPU" in record["note"]
+    assert flags == [torch.backends.cudnn.enabled]  # trained under the flags as they were

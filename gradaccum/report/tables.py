@@ -98,6 +98,14 @@ def code_label(m: VariantRecord) -> str:
     return "tutorial: " + ", ".join(c.label for c in kept) if kept else "exact"
 
 
+def cudnn_label(m: VariantRecord) -> str:
+    """The cuDNN flags the variant trained under: set on a GPU, none on a CPU (where the switch changes nothing)."""
+    c = m.cudnn
+    if not c.applied:
+        return f"{c.setting}: nothing set ({c.note})" if c.note else c.setting
+    return f"{c.setting}: enabled={c.enabled}, deterministic={c.deterministic}, benchmark={c.benchmark}"
+
+
 def variants_table(results: Results) -> list[dict[str, Any]]:
     """One row per variant; on a GPU, nvidia-smi's peak beside PyTorch's allocated and reserved peaks."""
     rows = []
@@ -111,6 +119,7 @@ def variants_table(results: Results) -> list[dict[str, Any]]:
             "micro-batch": m.micro_batch,
             "lr": m.lr,
             "code": code_label(m),
+            "cuDNN": cudnn_label(m),
             "final train loss": seed_text(m, "final_train_loss"),
             "test accuracy": seed_text(m, "test_accuracy"),
             "peak memory (MiB)": fmt(peak_mib(m), 1),
