@@ -13,8 +13,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 WEIGHTINGS = ("exact", "divide")  # exact: each micro-batch's share of its window; divide: 1 / accum (the tutorial)
 
@@ -77,26 +75,6 @@ def schedule(
             step = i == len(mine) - 1 and (full or epoch_end_step)
             plan.append(MicroBatch(mb.start, mb.stop, weight, step))
     return plan
-
-
-def steps_per_epoch(n: int, micro: int, accum: int) -> int:
-    return math.ceil(math.ceil(n / micro) / accum)
-
-
-def accumulated_gradient(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, accum: int, weighting: str = "exact"
-) -> torch.Tensor:
-    """The gradient one optimizer step would see for batch (x, y) split into `accum` micro-batches.
-
-    Flattened into one vector, so two ways of computing it can be compared with one norm.
-    """
-    model.zero_grad(set_to_none=True)
-    for mb in schedule(len(y), micro_batch_size(len(y), accum), accum, weighting):
-        loss = F.cross_entropy(model(x[mb.start : mb.stop]), y[mb.start : mb.stop])
-        (loss * mb.weight).backward()
-    grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    model.zero_grad(set_to_none=True)
-    return grad
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -17,12 +17,13 @@ from stages.paths import DATASET, GRADCHECK, GRADCHECK_TSV, HARDWARE
 def main() -> None:
     p = params.load()
     device = torch.device(read_json(HARDWARE)["device"])
-    data = mnist.load_tensors(DATASET, device, gradcheck.BATCH, 0)
+    data = mnist.load_tensors(DATASET, device, gradcheck.SAMPLES, 0)
     start = time.perf_counter()
     result = gradcheck.gradient_check(
         lambda norm: build_model(**p.model.model_dump(), norm=norm, seed=p.seed, device=device),
         data["train_x"],
         data["train_y"],
+        seed=p.seed,
     )
     write_table(GRADCHECK_TSV, result["rows"], gradcheck.COLUMNS)
     seconds = {"compute_seconds": time.perf_counter() - start, "stage_seconds": process_seconds()}

@@ -1,4 +1,5 @@
-"""Accumulated gradients equal full-batch gradients (GroupNorm), and the window arithmetic is exact."""
+"""Accumulated gradients equal full-batch gradients (GroupNorm), measured through the training loop itself
+(gradaccum/loop.py's train_epoch, shuffled), and the window arithmetic is exact."""
 
 from __future__ import annotations
 
@@ -6,86 +7,82 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from gradaccum.accumulation import (
-    accumulated_gradient,
-    micro_batch_size,
-    relative_difference,
-    schedule,
-    steps_per_epoch,
-    windows,
-)
+from gradaccum.accumulation import micro_batch_size, relative_difference, schedule, windows
+from gradaccum.gradcheck import full_gradient, loop_gradients, window_differences
 from gradaccum.models import build_model
 
 ARGS = {"name": "efficientnet_b0", "in_chans": 1, "num_classes": 10, "seed": 99, "group_norm_groups": 1}
-BATCH = 24
+N, BATCH = 44, 24  # an epoch of two windows: 24 samples, then a short one of 20
 
 
 @pytest.fixture(scope="module")
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
+def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """uint8 images as training holds them, labels, and a shuffled order of the epoch."""
     g = torch.Generator().manual_seed(0)
-    return torch.randn(BATCH, 1, 28, 28, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    images = torch.randint(0, 256, (N, 28, 28), dtype=torch.uint8, generator=g)
+    return images, torch.randint(0, 10, (N,), generator=g), torch.randperm(N, generator=g)
 
 
 @pytest.fixture(scope="module")
 def gn_model() -> nn.Module:
-    return build_model(**ARGS, norm="group").train()
-
-
-def flat_grad(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
+    return build_model(**ARGS, norm="group")
 
 
 @pytest.mark.parametrize("accum", [1, 2, 3, 4, 7])
-def test_groupnorm_accumulated_equals_full_batch(gn_model: nn.Module, batch, accum: int) -> None:
-    x, y = batch
-    gn_model.zero_grad()
-    F.cross_entropy(gn_model(x), y).backward()  # the large-batch gradient, computed directly
-    full = flat_grad(gn_model).clone()
-    assert relative_difference(accumulated_gradient(gn_model, x, y, accum), full) <= 1e-5
+def test_the_loops_window_gradient_is_the_full_batch_gradient_of_its_samples(
+    gn_model: nn.Module, digits, accum: int
+) -> None:
+    """train_epoch with a recording stand-in optimizer, over a shuffled epoch of a full window and a short one
+    (accum 4: micro-batches of 6, windows of 24 and 20, the last micro-batch 2; accum 7: of 4, windows of 28
+    and 16): each window's gradient is the gradient of the mean loss over the same shuffled samples."""
+    images, labels, perm = digits
+    micro = micro_batch_size(BATCH, accum)
+    diffs = window_differences(gn_model, images, labels, perm, micro, accum)
+    assert len(diffs) == 2 and max(diffs) <= 1e-5
 
 
-def test_short_last_window_is_exact(gn_model: nn.Module, batch) -> None:
-    """22 samples, micro-batch 4, accum 2: the last window holds 6 samples (4 + 2) and must weigh them as 6."""
-    x, y = batch[0][:22], batch[1][:22]
-    last = windows(22, 4, 2)[-1]
-    assert [(m.start, m.stop) for m in last] == [(16, 20), (20, 22)]
-    gn_model.zero_grad()
-    for mb in last:
-        (F.cross_entropy(gn_model(x[mb.start : mb.stop]), y[mb.start : mb.stop]) * mb.weight).backward()
-    accumulated = flat_grad(gn_model).clone()
-    gn_model.zero_grad()
-    F.cross_entropy(gn_model(x[16:22]), y[16:22]).backward()
-    assert relative_difference(accumulated, flat_grad(gn_model)) <= 1e-5
-    gn_model.zero_grad()
-    for mb in last:  # the tutorial's weighting: loss / accum
-        (F.cross_entropy(gn_model(x[mb.start : mb.stop]), y[mb.start : mb.stop]) / 2).backward()
-    assert relative_difference(flat_grad(gn_model), accumulated) > 1e-2
+def test_the_loop_follows_the_shuffle(gn_model: nn.Module, digits) -> None:
+    """The same windows in the unshuffled order hold other samples: their gradients are far apart, so a loop
+    that ignored its permutation would fail the test above."""
+    images, labels, perm = digits
+    got = loop_gradients(gn_model, images, labels, perm, 6, 4)
+    unshuffled = full_gradient(gn_model, images[:BATCH], labels[:BATCH])
+    assert relative_difference(got[0], unshuffled) > 1e-2
 
 
-def test_batchnorm_differs(batch) -> None:
-    x, y = batch
-    bn = build_model(**ARGS, norm="batch").train()
-    full = accumulated_gradient(bn, x, y, 1)
-    assert relative_difference(accumulated_gradient(bn, x, y, 4), full) > 1e-2
+def test_batchnorm_differs(digits) -> None:
+    images, labels, perm = digits
+    bn = build_model(**ARGS, norm="batch")
+    assert min(window_differences(bn, images, labels, perm, 6, 4)) > 1e-2
+
+
+def test_tutorial_weighting_is_off_on_a_short_micro_batch_and_exact_without_one(gn_model: nn.Module, digits) -> None:
+    """loss / accum through the loop: micro-batches of 5 over 24 samples leave a short 4 (accum 5), off;
+    8, 8, 8 (accum 3) are all full, exact; each micro-batch's share (the default) is exact either way."""
+    images, labels, perm = digits
+    window = perm[:BATCH]  # one window: the tutorial's weighting is about micro-batches, not windows
+    assert max(window_differences(gn_model, images, labels, window, 5, 5, "divide")) > 1e-3
+    assert max(window_differences(gn_model, images, labels, window, 5, 5)) <= 1e-5
+    assert max(window_differences(gn_model, images, labels, window, 8, 3, "divide")) <= 1e-5
 
 
 @pytest.mark.parametrize(
-    ("n", "batch", "accum"),
-    [(60000, 32768, 8), (60000, 32768, 4), (4000, 1024, 3), (10, 10, 10), (1000, 64, 7), (5, 64, 1)]
-    + [(1001, 100, accum) for accum in range(1, 8)],  # accum 1 to 7, n not divisible by the micro-batch
+    ("n", "batch", "accum", "steps"),  # steps counted by hand: micro-batches of ceil(batch / accum), accum a window
+    [(60000, 32768, 8, 2), (60000, 32768, 4, 2), (4000, 1024, 3, 4), (10, 10, 10, 1), (1000, 64, 7, 15)]
+    + [(5, 64, 1, 1), (1001, 100, 1, 11), (1001, 100, 2, 11), (1001, 100, 3, 10), (1001, 100, 4, 11)]
+    + [(1001, 100, 5, 11), (1001, 100, 6, 10), (1001, 100, 7, 10)],  # n not divisible by the micro-batch
 )
-def test_windows_cover_every_sample_once_and_weights_sum_to_one(n: int, batch: int, accum: int) -> None:
+def test_windows_cover_every_sample_once_and_weights_sum_to_one(n: int, batch: int, accum: int, steps: int) -> None:
     micro = micro_batch_size(batch, accum)
     plan = windows(n, micro, accum)
     flat = [mb for w in plan for mb in w]
     assert [mb.start for mb in flat] == list(range(0, n, micro))
     assert flat[-1].stop == n and all(a.stop == b.start for a, b in zip(flat, flat[1:], strict=False))
-    assert all(len(w) <= accum for w in plan)
+    assert all(len(w) == accum for w in plan[:-1]) and 1 <= len(plan[-1]) <= accum
     assert all(math.isclose(sum(mb.weight for mb in w), 1.0) for w in plan)
-    assert len(plan) == steps_per_epoch(n, micro, accum) == math.ceil(math.ceil(n / micro) / accum)
+    assert len(plan) == steps and [mb.step for mb in flat].count(True) == steps
 
 
 def test_tutorial_example_steps_at_epoch_end() -> None:
@@ -121,11 +118,3 @@ def test_tutorial_schedule_divides_by_accum_and_carries_the_rest() -> None:
     assert flushed[-1].step and flushed[-1].weight == pytest.approx(1 / 3)  # one correction alone
     with pytest.raises(ValueError, match="weighting must be one of exact, divide"):
         schedule(70, 10, 3, weighting="mean")
-
-
-def test_tutorial_weighting_is_off_on_a_short_micro_batch(gn_model: nn.Module, batch) -> None:
-    x, y = batch  # 24 samples: accum 5 gives micro-batches of 5, 5, 5, 5 and a short 4; accum 3 gives 8, 8, 8
-    full = accumulated_gradient(gn_model, x, y, 1)
-    assert relative_difference(accumulated_gradient(gn_model, x, y, 5, weighting="divide"), full) > 1e-3
-    assert relative_difference(accumulated_gradient(gn_model, x, y, 5), full) <= 1e-5
-    assert relative_difference(accumulated_gradient(gn_model, x, y, 3, weighting="divide"), full) <= 1e-5

@@ -39,29 +39,45 @@ def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(out.read_text())
 
 
-def full_batch_gradient(n: int) -> torch.Tensor:
-    model = tiny_model()
-    images, labels = window_data(n)
-    F.cross_entropy(model(normalize(images)), labels).backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
+def full_batch_gradients(n: int, world: int, accum: int) -> list[torch.Tensor]:
+    """Per window of the worker's shuffled epoch, the gradient of the mean loss over its samples in one pass."""
+    images, labels, perm = window_data(n)
+    spans = [(w[0].start, w[-1].stop) for w in windows(len(perm), micro_batch_size(n, accum * world), accum * world)]
+    grads = []
+    for a, b in spans:
+        model = tiny_model()
+        F.cross_entropy(model(normalize(images[perm[a:b]])), labels[perm[a:b]]).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    return grads
 
 
 @pytest.mark.parametrize(("n", "accum"), CASES)
 def test_ddp_window_gradient_equals_the_full_batch_gradient(ddp_results: dict, n: int, accum: int) -> None:
+    """Two ranks, a shuffled epoch of a full window and a short one: each step's averaged gradient is the
+    full-batch gradient of the window's shuffled samples (and not of the unshuffled ones)."""
     assert ddp_results["world"] == 2
-    full = full_batch_gradient(n)
+    full = full_batch_gradients(n, 2, accum)
     found = [r for r in ddp_results["results"] if (r["n"], r["accum"]) == (n, accum)]
     assert sorted(r["no_sync"] for r in found) == [False, True], "the worker did not run this case in both modes"
     for r in found:
-        assert relative_difference(torch.tensor(r["grad"]), full) <= 1e-5, r["no_sync"]
+        assert len(r["grads"]) == len(full) == 2, r["no_sync"]
+        for got, want in zip(r["grads"], full, strict=True):
+            assert relative_difference(torch.tensor(got), want) <= 1e-5, r["no_sync"]
+    images, labels, _ = window_data(n)
+    model = tiny_model()
+    F.cross_entropy(model(normalize(images[:n])), labels[:n]).backward()  # the first window, unshuffled
+    unshuffled = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert relative_difference(torch.tensor(found[0]["grads"][0]), unshuffled) > 1e-2
 
 
 @pytest.mark.parametrize(("n", "accum"), CASES)
 def test_one_allreduce_per_window_with_no_sync(ddp_results: dict, n: int, accum: int) -> None:
     by_mode = {r["no_sync"]: r for r in ddp_results["results"] if (r["n"], r["accum"]) == (n, accum)}
-    assert by_mode[True]["allreduces"] == 1
-    micro_batches_of_rank0 = len(schedule(n, micro_batch_size(n, accum * 2), accum, rank=0, world=2))
-    assert by_mode[False]["allreduces"] == micro_batches_of_rank0 == accum  # one per micro-batch without no_sync
+    assert by_mode[True]["allreduces"] == 2  # two windows
+    # rank 0's micro-batches, counted by hand: e.g. (45, 4): 60 samples in micro-batches of 6, windows of 8 and 2
+    # micro-batches, of which rank 0 runs 4 and 1
+    micro_batches_of_rank0 = {(48, 1): 2, (48, 3): 4, (45, 3): 4, (45, 4): 5}[(n, accum)]
+    assert by_mode[False]["allreduces"] == micro_batches_of_rank0  # one per micro-batch without no_sync
 
 
 def test_a_failing_rank_fails_the_run_and_leaves_no_process(tmp_path: Path) -> None:

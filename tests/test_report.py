@@ -256,6 +256,9 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
         root / "reports/gradcheck.json",
         {
             "batch": 96,
+            "samples": 120,
+            "windows": 2,
+            "through": "gradaccum.loop.train_epoch, shuffled, a recording stand-in for the optimizer",
             "device": device,
             "precision": "float32, TF32 off",
             "tolerance": 1e-5,
@@ -447,6 +450,8 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     assert f"accumulation ran at {sorted(acc_speed)[1]:.2f} (" in found["What does it cost in speed?"]
     assert "slower in all 3 rounds (sign test p = 0.25: could be chance)" in found["What does it cost in speed?"]
     assert "at most 7.0e-07 (relative), within float32 rounding" in found["Is it still the same training?"]
+    assert "measured through the training loop itself (gradaccum.loop.train_epoch, shuffled" in md
+    assert "an epoch of 120 images, batch 96" in md
     assert "<details><summary>The params that ran (params.yaml)</summary>" in html
     fair = {r["variant"]: r for r in md_table(md, "Speed, measured fairly")}
     assert set(fair) == set(metrics) and fair["groupnorm"]["vs groupnorm: median (range)"] == "1.00 (1.00 to 1.00)"

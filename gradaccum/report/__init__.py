@@ -194,8 +194,15 @@ def speed_section(rep: Report, speed: dict[str, Any]) -> None:
 def gradcheck_section(rep: Report, grad: dict[str, Any]) -> None:
     rep.heading("Is the accumulated gradient the large-batch gradient?")
     rep.text(
-        f"Relative difference ‖g_accum − g_full‖ / ‖g_full‖ on one batch of {grad['batch']} images, "
-        f"{grad['precision']}, on {grad['device']}."
+        "Relative difference ‖g_accum − g_full‖ / ‖g_full‖ "
+        + (
+            f"measured through the training loop itself ({grad['through']}): an epoch of {grad['samples']} "
+            f"images, batch {grad['batch']}, each window's gradient against the full-batch gradient of its "
+            f"samples, the larger of its {grad['windows']} windows; "
+            if "through" in grad
+            else f"on one batch of {grad['batch']} images, "
+        )
+        + f"{grad['precision']}, on {grad['device']}."
     )
     rep.table(tables.gradcheck_rows(grad))
     figures.gradcheck(rep, grad)

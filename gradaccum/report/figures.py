@@ -10,6 +10,7 @@ import pandas as pd
 import seaborn as sns
 
 from gradaccum.planner import predict_mib
+from gradaccum.report import tables
 from gradaccum.report.document import Report
 from gradaccum.report.tables import Results, memory_label, peak_split
 
@@ -236,9 +237,9 @@ def gradcheck(rep: Report, grad: dict[str, Any]) -> None:
     rep.figure(
         "gradcheck.png",
         fig,
-        f"Accumulated against full-batch gradient on one batch of {grad['batch']} ({grad['precision']}): GroupNorm "
-        "stays at float32 rounding, BatchNorm does not, and the tutorial's loss / accum is off where the last "
-        "micro-batch is short.",
+        f"Accumulated against full-batch gradient {tables.gradcheck_scope(grad)} ({grad['precision']}): GroupNorm "
+        "stays at float32 rounding, BatchNorm does not, and the tutorial's loss / accum is off where a "
+        "micro-batch or the epoch's last window is short.",
     )
 
 

@@ -282,6 +282,13 @@ def control_claims(results: Results) -> list[dict[str, str]]:
     return rows
 
 
+def gradcheck_scope(grad: dict[str, Any]) -> str:
+    """What the gradient check ran over: the training loop's shuffled epoch, or (an older record) one batch."""
+    if "through" in grad:
+        return f"through the training loop, over a shuffled epoch of {grad['samples']} (batch {grad['batch']})"
+    return f"on one batch of {grad['batch']}"
+
+
 def batchnorm_claim(results: Results, grad: dict[str, Any]) -> dict[str, str]:
     """BatchNorm must go: the gradient check says whether accumulation with it is the large-batch gradient."""
     done = fitted(results)
@@ -520,7 +527,7 @@ def findings(
     same = []
     if grad:
         same.append(
-            f"on one batch of {grad['batch']}, the accumulated GroupNorm gradient differs from the full-batch "
+            f"{gradcheck_scope(grad)}, the accumulated GroupNorm gradient differs from the full-batch "
             f"gradient by at most {grad['groupnorm_max']:.1e} (relative), "
             f"{'within' if grad['groupnorm_equal'] else 'OUTSIDE'} float32 rounding ({grad['tolerance']:.0e}); "
             f"with BatchNorm by at least {grad['batchnorm_min']:.2f}"
