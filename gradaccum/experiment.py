@@ -57,12 +57,14 @@ def plan_check(
 
 
 def emulation_check(p: Params, hw: dict[str, Any], dtype: torch.dtype | None) -> str | None:
-    """bfloat16 on a CPU without its kernels runs ~15x slower than float32 and says nothing of a GPU: not run."""
+    """bfloat16 on a CPU without its kernels is emulated, many times slower than float32, and says nothing of a
+    GPU: not run. The text names the benchmark that measures the slowdown on the CPU it runs on."""
     if hw["device"] != "cpu" or dtype != torch.bfloat16 or hw["cpu"]["native_bfloat16"] or p.train.emulated_bfloat16:
         return None
     return (
-        "this CPU has no bfloat16 kernels, so bfloat16 would be emulated, about 15x slower than float32; "
-        "train.emulated_bfloat16: true trains it anyway"
+        "this CPU has no bfloat16 kernels, so bfloat16 would be emulated in software, many times slower than "
+        "float32 (`python -m benchmarks.convolutions` times both on this CPU); train.emulated_bfloat16: true "
+        "trains it anyway"
     )
 
 

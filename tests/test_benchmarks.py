@@ -48,16 +48,41 @@ def test_ddp_benchmark_counts_one_allreduce_per_window_with_no_sync() -> None:
     assert r["seconds_per_window_no_sync"] > 0 and r["seconds_per_window_every_micro_batch"] > 0
 
 
-def test_every_benchmark_line_formats_a_recorded_result() -> None:
-    """The printed lines name only keys the benchmarks write (checked on the committed CPU results)."""
+def test_every_benchmark_line_prints_the_recorded_figures() -> None:
+    """Each printed line carries the result's own figures (checked on the committed CPU results): the ratio
+    or count a reader takes from it, not only text that formats."""
     import json
 
     from benchmarks.run import LINES, line
 
     recorded = json.loads(sorted(Path(__file__).parent.parent.glob("benchmarks/results/cpu-*.json"))[-1].read_text())
-    for key in (k for k in LINES if k != "planner_check"):
+    shown = {  # per benchmark, figures its line must show, formatted as a reader sees them
+        "loop_vs_tutorial": lambda r: [f"ratio {r['ratio']:.2f}", f"ratio {r['loop_only_ratio']:.2f}"],
+        "accumulation_cost": lambda r: [f"4/1 {r['accum_4_over_1']:.2f}", f"8/1 {r['accum_8_over_1']:.2f}"],
+        "sampler_overhead": lambda r: [f"overhead {r['overhead']:+.2%}", f"{r['duty_cycle']:.3%} of the interval"],
+        "planner": lambda r: [f"{r['fit']['per_sample_mib']:.3f} MiB/sample"]
+        + [f"predicted/measured {c['predicted_over_measured']:.3f}" for c in r["checks"]],
+        "ddp_no_sync": lambda r: [f"per window {r['allreduces_per_window_no_sync']:.0f} with no_sync"],
+    }
+    assert set(shown) == set(LINES) - {"planner_check"}
+    for key, figures in shown.items():
         text = line(key, recorded[key])
-        assert text[0].isdigit() and "{" not in text, text
+        assert all(f in text for f in figures(recorded[key])), (key, text)
+
+
+def test_the_planner_benchmark_holds_the_fit_against_points_it_did_not_see(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Points peaking at 500 + 2 MiB/sample: fit on 8 and 16, checked at 32 measured at 540 MiB, where the line
+    predicts 564: predicted/measured 564 / 540 = 1.0444."""
+    from benchmarks import run
+
+    peaks = {8: 516.0, 16: 532.0, 32: 540.0}
+    monkeypatch.setattr(run, "run_point", lambda p, micro, device: {"micro_batch": micro, "peak_mib": peaks[micro]})
+    result = run.bench_planner(None, torch.device("cpu"), {"fit": [8, 16], "check": [32]})
+    assert result["fit"]["fixed_mib"] == pytest.approx(500.0) and result["fit"]["per_sample_mib"] == pytest.approx(2.0)
+    [check] = result["checks"]
+    assert check["predicted_mib"] == pytest.approx(564.0) and check["measured_mib"] == 540.0
+    assert check["predicted_over_measured"] == pytest.approx(564 / 540)
+    assert "predicted/measured 1.044" in run.line("planner", result)
 
 
 def test_repro_breakdown_splits_the_computation_from_the_overhead(workdir: Path) -> None:

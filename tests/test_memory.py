@@ -82,7 +82,7 @@ case "$1" in
       container) ;;
       mig-pod)   echo "$PPID, [Insufficient Permissions]" ;;
       wddm|odd)  echo "$PPID, [N/A]"; echo "1584, [N/A]" ;;
-      *)         echo "$PPID, $mine"; echo "1, 5" ;;
+      *)         echo "1, 5"; echo "$PPID, $mine" ;;  # another process listed first
     esac ;;
   "") echo "+---- NVIDIA-SMI 999.99 fake ----+" ;;
   *) echo "unexpected $*" >&2; exit 3 ;;
@@ -239,10 +239,17 @@ def test_first_step_snapshot_is_dumped_once_after_the_first_real_step(tmp_path: 
     snapshot = memory.FirstStepSnapshot(
         target, start=lambda: events.append("start"), dump=dump, stop=lambda: events.append("stop")
     )
+    scaler = torch.amp.GradScaler("cpu")
     with snapshot:
-        model(torch.ones(3, 4)).sum().backward()
-        assert events == ["start"] and not target.exists()  # no step yet: nothing dumped
-        opt.step()
+        scaler.scale(model(torch.full((3, 4), float("inf"))).sum()).backward()  # inf gradients
+        scaler.step(opt)  # GradScaler skips this step
+        scaler.update()
+        assert events == ["start"] and not target.exists()  # no real step yet: nothing dumped
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert events == ["start", "dump", "stop"]
         opt.step()
     assert events == ["start", "dump", "stop"] and target.read_bytes() == b"pickle"
     assert not list(target.parent.glob("*.tmp"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -153,3 +154,84 @@ def test_save_and_load_roundtrip(tmp_path: Path) -> None:
     mnist.save(arrays, tmp_path / "d.npz")
     back = mnist.load(tmp_path / "d.npz")
     assert back.keys() == arrays.keys() and (back["train_y"] == arrays["train_y"]).all()
+
+
+# The same download, verify and fall-through code on files built here, served through file:// mirrors, so
+# these run in every clone (the real-file tests above need ../shared/mnist).
+def idx_gz(array: np.ndarray) -> bytes:
+    """An IDX file as LeCun's distribution writes it: magic, big-endian dims, the unsigned bytes; gzipped."""
+    header = mnist.IDX_MAGIC[array.ndim].to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    return gzip.compress(header + array.astype(np.uint8).tobytes(), mtime=0)
+
+
+@pytest.fixture
+def built_mirror(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray], dict[str, str]]:
+    """A mirror folder with the four files (30 train, 10 test digits of noise), the arrays and their MD5s."""
+    rng = np.random.default_rng(0)
+    arrays = {
+        "train_x": rng.integers(0, 256, (30, 28, 28), dtype=np.uint8),
+        "train_y": np.arange(30, dtype=np.uint8) % 10,
+        "test_x": rng.integers(0, 256, (10, 28, 28), dtype=np.uint8),
+        "test_y": np.arange(10, dtype=np.uint8)[::-1].copy(),
+    }
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    for name, key in zip(mnist.FILES, ("train_x", "train_y", "test_x", "test_y"), strict=True):
+        (mirror / name).write_bytes(idx_gz(arrays[key]))
+    sums = {name: hashlib.md5((mirror / name).read_bytes()).hexdigest() for name in mnist.FILES}
+    return mirror, arrays, sums
+
+
+def test_a_mirror_download_is_verified_parsed_and_then_cached(
+    built_mirror, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mirror, arrays, sums = built_mirror
+    monkeypatch.setattr(mnist, "torchvision_resources", lambda d: ([mirror.as_uri() + "/"], sums))
+    got, provenance = mnist.prepare("mnist", "", fallback=False, raw_dir=tmp_path / "raw")
+    assert provenance["kind"] == "mirror"
+    assert {n: f["md5"] for n, f in provenance["files"].items()} == sums
+    assert all(f["from"] == mirror.as_uri() + "/" + n for n, f in provenance["files"].items())
+    for key, array in arrays.items():
+        assert np.array_equal(got[key], array), key
+    again = mnist.collect("mnist", "", tmp_path / "raw")  # a second run verifies what it has, downloads nothing
+    assert {f["from"] for f in again["files"].values()} == {"cache (verified)"}
+
+
+def test_a_truncated_download_falls_through_to_the_next_mirror(built_mirror, tmp_path: Path) -> None:
+    mirror, _, sums = built_mirror
+    name = "train-images-idx3-ubyte.gz"
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / name).write_bytes((mirror / name).read_bytes()[:5000])  # a download cut short
+    dest = tmp_path / "out" / name
+    url = mnist.fetch(name, sums[name], dest, [cut.as_uri() + "/", mirror.as_uri() + "/"])
+    assert url == mirror.as_uri() + "/" + name and hashlib.md5(dest.read_bytes()).hexdigest() == sums[name]
+    assert sorted(p.name for p in dest.parent.iterdir()) == [name]  # no temp file of the cut download
+
+
+def test_a_corrupt_download_is_rejected_naming_both_checksums_and_leaves_nothing(built_mirror, tmp_path: Path) -> None:
+    mirror, _, sums = built_mirror
+    name = "t10k-images-idx3-ubyte.gz"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    data = bytearray((mirror / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / name).write_bytes(bytes(data))
+    dest = tmp_path / "out" / name
+    with pytest.raises(mnist.DataError) as info:
+        mnist.fetch(name, sums[name], dest, [bad.as_uri() + "/", (tmp_path / "nowhere").as_uri() + "/"])
+    msg = str(info.value)
+    assert name in msg and sums[name] in msg and hashlib.md5(bytes(data)).hexdigest() in msg
+    assert "nowhere" in msg  # every mirror tried is named
+    assert not dest.parent.exists() or list(dest.parent.iterdir()) == []  # no file, no temp file
+
+
+def test_a_corrupt_mirror_with_fallback_off_stops_the_stage(
+    built_mirror, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mirror, _, sums = built_mirror
+    wrong = sums | {"t10k-labels-idx1-ubyte.gz": "0" * 32}  # the mirror serves another file than the list says
+    monkeypatch.setattr(mnist, "torchvision_resources", lambda d: ([mirror.as_uri() + "/"], wrong))
+    with pytest.raises(mnist.DataError, match="t10k-labels-idx1-ubyte.gz"):
+        mnist.prepare("mnist", "", fallback=False, raw_dir=tmp_path / "raw")
+    assert not (tmp_path / "raw" / "t10k-labels-idx1-ubyte.gz").exists()

@@ -170,8 +170,9 @@ def test_large_maps_keep_the_plain_convolution(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_under_autocast_the_matrices_do_what_autocast_does_to_conv2d() -> None:
-    """bfloat16 operands and output, the same bfloat16 tensors saved for backward, the same gradients to
-    bfloat16's rounding (8 bits of mantissa: ~0.4% of a value)."""
+    """bfloat16 operands and output, the same bfloat16 tensors saved for backward; the output and the
+    input's gradient to one bfloat16 rounding (8 bits of mantissa: 2^-8 of a value), the weight's
+    gradient, 256 bfloat16 products summed in another order, to 1% in norm (measured 0.24-0.28%, 5 seeds)."""
     torch.manual_seed(0)
     conv = nn.Conv2d(32, 32, 5, padding=2, groups=32, bias=False)
     matmul = use_matmul_depthwise(nn.Sequential(copy.deepcopy(conv)))[0]
@@ -196,7 +197,10 @@ def test_under_autocast_the_matrices_do_what_autocast_does_to_conv2d() -> None:
     assert saved[0] == saved[1] == [(torch.bfloat16, (16, 32, 4, 4)), (torch.bfloat16, (32, 1, 5, 5))]
     for a, b in zip(*results, strict=True):
         assert a.dtype == b.dtype
-        torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * float(a.detach().abs().max()))
+    (out_a, dx_a, dw_a), (out_b, dx_b, dw_b) = results
+    torch.testing.assert_close(out_b, out_a, rtol=2**-8, atol=0)
+    torch.testing.assert_close(dx_b, dx_a, rtol=2**-8, atol=0)
+    assert float((dw_b - dw_a).norm() / dw_a.norm()) < 0.01
 
 
 def test_the_model_uses_the_matrices_on_the_cpu_only_and_trains_the_same() -> None:
