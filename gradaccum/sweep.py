@@ -5,7 +5,8 @@ high-water mark (CPU) and the CUDA context and caches (GPU) belong to that point
 in a train stage. Not forked from a process that has imported torch: that saves 3-4 s of imports a
 point, but a forked child's RSS leaves out the library pages its parent faulted in, and the fit's
 fixed part came out ~290 MiB low (529 against 817 MiB, measured), an under-estimate of every
-training peak. This side imports neither torch nor timm: the sweep stage itself starts in a second.
+training peak. This module imports neither torch nor timm; the stage imports them once, to refuse a model
+that cannot take the images before the first point starts.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class SweepError(RuntimeError):
     """A sweep point failed for a reason other than memory: the stage stops with it."""
 
 
+REFUSED = 65  # sysexits.h EX_DATAERR: the point refused its input; its last line of stderr is the one-line reason
+
+
 POINT_COMMAND = (sys.executable, "-m", "gradaccum.sweep_point")  # reads the params as JSON on stdin, prints the row
 
 
@@ -54,6 +58,7 @@ def run_point(
 ) -> dict[str, Any]:
     """measure_point in a fresh interpreter, whose last line of output is the row as JSON.
 
+    A point that refuses its input (exit status REFUSED) raises SweepError with its one line, no traceback.
     Out of memory is a row that did not fit: PyTorch's OutOfMemoryError inside the point (GPU), a failed
     allocation (CPU), or the kernel's out-of-memory killer ending it with SIGKILL (CPU). Any other failure,
     and a point still running after memory.sweep_timeout_s, raises SweepError with what the point printed last.
@@ -81,7 +86,10 @@ def run_point(
         row: dict[str, Any] = dict.fromkeys(POINT_COLUMNS)
         error = "killed by SIGKILL, as the kernel's out-of-memory killer ends a process"
         return row | {"micro_batch": micro, "checkpointing": checkpointing, "fit": False, "error": error}
-    tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+    lines = proc.stderr.strip().splitlines()
+    if proc.returncode == REFUSED and lines:  # bad input, said in one line: passed on as it is, no traceback
+        raise SweepError(lines[-1].removeprefix("error: "))
+    tail = "\n".join(lines[-15:])  # a crash: its traceback
     raise SweepError(f"{what} failed with exit code {proc.returncode}:\n{tail}")
 
 

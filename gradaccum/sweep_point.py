@@ -17,8 +17,8 @@ from gradaccum import params
 from gradaccum.accumulation import schedule
 from gradaccum.loop import amp_dtype, evaluate, make_optimizer, make_scaler, train_epoch
 from gradaccum.memory import MIB, is_out_of_memory, peak_rss_mib
-from gradaccum.models import IMAGE_SIZE, build_model, check_input
-from gradaccum.sweep import POINT_COLUMNS
+from gradaccum.models import IMAGE_SIZE, ModelInputError, build_model, check_input
+from gradaccum.sweep import POINT_COLUMNS, REFUSED
 
 
 def measure_point(
@@ -88,6 +88,10 @@ if __name__ == "__main__":
     parser.add_argument("--last", type=int, default=0, help="samples in the short last micro-batch of an epoch")
     args = parser.parse_args()
     p = params.Params.model_validate_json(sys.stdin.read())  # validated by the parent already
-    check_input(**p.model.model_dump())  # a model that cannot take the images, refused by name (0.1 s)
+    try:
+        check_input(**p.model.model_dump())  # a model that cannot take the images, refused by name (0.1 s)
+    except ModelInputError as err:  # one line for the sweep stage to pass on, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(REFUSED)
     row = measure_point(p, torch.device(args.device), args.point, args.checkpointing, args.test_samples, args.last)
     print(json.dumps(row))

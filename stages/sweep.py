@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import sys
 
-from gradaccum import params
+from gradaccum import mnist, models, params
 from gradaccum.machine import process_seconds
 from gradaccum.outputs import read_json, write_json, write_table
 from gradaccum.sweep import POINT_COLUMNS, SweepError, sweep
-from stages.paths import HARDWARE, SWEEP_PLAN, SWEEP_POINTS
+from stages.paths import DATASET, HARDWARE, SWEEP_PLAN, SWEEP_POINTS
 
 
 def main() -> None:
-    p = params.load(model_names=False)  # no timm here: each sweep point checks model.name as it builds it
-    plan = sweep(p, read_json(HARDWARE), log=lambda line: print(line, flush=True))
+    p = params.load()
+    hw = read_json(HARDWARE)
+    models.check_input(**p.model.model_dump())  # refused here, in seconds, not by the first point
+    scale = p.scale_settings(hw["scale"])  # as train refuses it, before the points run (a minute or more)
+    mnist.check_batch(DATASET, scale.batch, f"scales.{hw['scale']}.batch", scale.train_samples)
+    plan = sweep(p, hw, log=lambda line: print(line, flush=True))
     write_table(SWEEP_POINTS, plan["points"], POINT_COLUMNS)
     write_json(SWEEP_PLAN, plan | {"stage_seconds": process_seconds()})
     fit = plan["fit"]
@@ -29,5 +33,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (params.ParamsError, SweepError, ValueError) as err:
+    except (params.ParamsError, mnist.DataError, SweepError, ValueError) as err:  # ValueError: too few fits
         sys.exit(f"error: {err}")

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import yaml
 
-from gradaccum import params
+from gradaccum import mnist, params
 from gradaccum.sweep import SweepError, run_point
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,10 +51,20 @@ def test_killed_by_the_kernel_is_out_of_memory(p: params.Params) -> None:
     assert "SIGKILL" in row["error"] and row["peak_mib"] is None
 
 
-def test_an_error_in_a_point_stops_the_sweep_with_its_traceback(p: params.Params) -> None:
-    broken = p.model_copy(update={"model": p.model.model_copy(update={"name": "no_such_model"})})
-    with pytest.raises(SweepError, match=r"(?s)micro-batch 64 failed with exit code 1:.*no_such_model"):
-        run_point(broken, 64, "cpu")
+def test_a_crash_in_a_point_stops_the_sweep_with_its_traceback(p: params.Params) -> None:
+    crash = python("raise RuntimeError('cuDNN exploded')")
+    with pytest.raises(SweepError, match=r"(?s)micro-batch 64 failed with exit code 1:\nTraceback.*cuDNN exploded"):
+        run_point(p, 64, "cpu", command=crash)
+
+
+def test_a_point_that_refuses_its_model_says_so_in_one_line(p: params.Params) -> None:
+    """The real point process: a model that cannot take the images is its one line, not a traceback."""
+    vit = params.set_values(p.model_dump(), ["model.name=vit_tiny_patch16_224"])
+    with pytest.raises(SweepError) as caught:
+        run_point(vit, 64, "cpu")
+    message = str(caught.value)
+    assert message.startswith("params.yaml: model.name = 'vit_tiny_patch16_224' cannot take the data's 28x28")
+    assert "\n" not in message and "Traceback" not in message
 
 
 def test_a_point_that_dies_stops_the_sweep(p: params.Params) -> None:
@@ -97,3 +112,35 @@ def test_the_sweep_asks_each_point_for_the_training_remainder(p: params.Params, 
     plan = sweep.sweep(small, {"device": "cpu", "scale": "cpu"}, log=lambda _: None)
     assert calls[:2] == [(64, False, 1000, 1000 % 64), (256, False, 1000, 1000 % 256)] and len(calls) == 4
     assert plan["fit"]["per_sample_mib"] == pytest.approx(1.0) and plan["fit"]["points"] == [[64, 864], [256, 1056]]
+
+
+def run_sweep_stage(workdir: Path, changes: list[str]) -> subprocess.CompletedProcess[str]:
+    """`python -m stages.sweep` alone, as `dvc repro sweep` runs it, on a 100-image dataset (no points needed)."""
+    values = params.read(workdir / "params.yaml")
+    (workdir / "params.yaml").write_text(yaml.safe_dump(params.assign(values, changes), sort_keys=False))
+    (workdir / "data").mkdir(exist_ok=True)
+    (workdir / "data/hardware.json").write_text(json.dumps({"device": "cpu", "scale": "cpu"}))
+    images, labels = np.zeros((100, 28, 28), np.uint8), np.zeros(100, np.uint8)
+    mnist.save({"train_x": images, "train_y": labels, "test_x": images, "test_y": labels}, workdir / "data/dataset.npz")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "stages.sweep"], cwd=workdir, env=env, capture_output=True, text=True, timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        (["model.name=vit_tiny_patch16_224", "scales.cpu.batch=64"], "model.name = 'vit_tiny_patch16_224' cannot take"),
+        ([], "scales.cpu.batch = 256 is not allowed; data/dataset.npz holds 100 training images"),
+    ],
+    ids=["model that cannot take the images", "batch larger than the data"],
+)
+def test_the_sweep_stage_refuses_in_one_line_before_any_point(workdir: Path, changes: list[str], expected: str) -> None:
+    result = run_sweep_stage(workdir, changes)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [result.stderr.strip()] and result.stderr.startswith("error: params.yaml: ")
+    assert expected in result.stderr and "Traceback" not in result.stdout + result.stderr
+    assert "sweep: micro-batch" not in result.stdout  # no point ran
+    assert not (workdir / "reports").exists()  # nothing written
