@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from gradaccum import params
+from gradaccum import models, params
 from gradaccum.machine import describe
 from gradaccum.outputs import write_json
 from stages.paths import HARDWARE
@@ -18,6 +18,7 @@ from stages.paths import HARDWARE
 
 def main() -> None:
     p = params.load()
+    models.check_input(**p.model.model_dump())  # first in every run: a model that cannot take the images, in seconds
     cuda = torch.cuda.is_available()
     info = describe(cuda)
     info["scale"] = params.resolve_scale(p, cuda)
@@ -30,5 +31,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except params.ParamsError as err:
+    except (params.ParamsError, models.ModelInputError) as err:
         sys.exit(f"error: {err}")

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-import yaml
 
-from gradaccum import mnist, params
+from gradaccum import params
 from gradaccum.sweep import SweepError, run_point
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,34 +108,3 @@ def test_the_sweep_asks_each_point_for_the_training_remainder(p: params.Params, 
     assert calls[:2] == [(64, False, 1000, 1000 % 64), (256, False, 1000, 1000 % 256)] and len(calls) == 4
     assert plan["fit"]["per_sample_mib"] == pytest.approx(1.0) and plan["fit"]["points"] == [[64, 864], [256, 1056]]
 
-
-def run_sweep_stage(workdir: Path, changes: list[str]) -> subprocess.CompletedProcess[str]:
-    """`python -m stages.sweep` alone, as `dvc repro sweep` runs it, on a 100-image dataset (no points needed)."""
-    values = params.read(workdir / "params.yaml")
-    (workdir / "params.yaml").write_text(yaml.safe_dump(params.assign(values, changes), sort_keys=False))
-    (workdir / "data").mkdir(exist_ok=True)
-    (workdir / "data/hardware.json").write_text(json.dumps({"device": "cpu", "scale": "cpu"}))
-    images, labels = np.zeros((100, 28, 28), np.uint8), np.zeros(100, np.uint8)
-    mnist.save({"train_x": images, "train_y": labels, "test_x": images, "test_y": labels}, workdir / "data/dataset.npz")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "stages.sweep"], cwd=workdir, env=env, capture_output=True, text=True, timeout=120,
-        check=False,
-    )
-
-
-@pytest.mark.parametrize(
-    ("changes", "expected"),
-    [
-        (["model.name=vit_tiny_patch16_224", "scales.cpu.batch=64"], "model.name = 'vit_tiny_patch16_224' cannot take"),
-        ([], "scales.cpu.batch = 256 is not allowed; data/dataset.npz holds 100 training images"),
-    ],
-    ids=["model that cannot take the images", "batch larger than the data"],
-)
-def test_the_sweep_stage_refuses_in_one_line_before_any_point(workdir: Path, changes: list[str], expected: str) -> None:
-    result = run_sweep_stage(workdir, changes)
-    assert result.returncode == 1
-    assert result.stderr.splitlines() == [result.stderr.strip()] and result.stderr.startswith("error: params.yaml: ")
-    assert expected in result.stderr and "Traceback" not in result.stdout + result.stderr
-    assert "sweep: micro-batch" not in result.stdout  # no point ran
-    assert not (workdir / "reports").exists()  # nothing written
