@@ -12,12 +12,17 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any
+import tempfile
+import threading
+from pathlib import Path
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradaccum.refusal import REFUSAL_FILE, Refused
 
 
 def launched() -> bool:
@@ -28,21 +33,40 @@ def launched() -> bool:
 def relaunch(nproc: int, module: str, args: list[str]) -> int:
     """Run `python -m module args` in `nproc` processes under torchrun; a failing rank fails them all.
 
-    On Ctrl-C, torchrun is given the time to stop its ranks (SIGTERM, then up to 30 s): they run in
-    sessions of their own, so the terminal's SIGINT never reaches them, and subprocess.run's kill of
-    torchrun 0.25 s after the signal would leave them running.
+    A rank that refuses its input (refusal.refuse) writes its one line to a file; the parent raises Refused
+    with it and leaves out what torchrun prints after it (its ChildFailedError traceback), while a crashing
+    rank's traceback and torchrun's report of it come through. torchrun's stderr passes through here, as it
+    is written, for that. On Ctrl-C, torchrun is given the time to stop its ranks (SIGTERM, then up to 30 s):
+    they run in sessions of their own, so the terminal's SIGINT never reaches them, and subprocess.run's
+    kill of torchrun 0.25 s after the signal would leave them running.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    proc = subprocess.Popen([*cmd, "-m", module, *args])
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGTERM)
+    with tempfile.TemporaryDirectory() as tmp:
+        refused = Path(tmp) / "refused"
+        env = {**os.environ, REFUSAL_FILE: str(refused)}
+        proc = subprocess.Popen([*cmd, "-m", module, *args], env=env, stderr=subprocess.PIPE)
+        passing = threading.Thread(target=_pass_on, args=(proc.stderr, refused), daemon=True)
+        passing.start()
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        raise
+            code = proc.wait()
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+        passing.join()
+        if code != 0 and refused.exists():
+            raise Refused(refused.read_text().strip().removeprefix("error: "))
+    return code
+
+
+def _pass_on(stream: IO[bytes], refused: Path) -> None:
+    """Copy torchrun's stderr to ours as it comes (progress bars included), until a rank has refused."""
+    while chunk := os.read(stream.fileno(), 65536):
+        if not refused.exists():
+            os.write(2, chunk)  # this process's stderr, which torchrun would otherwise have written to
 
 
 def setup(device_type: str) -> tuple[int, int, torch.device]:

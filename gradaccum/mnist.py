@@ -245,18 +245,26 @@ def load(path: Path, keys: tuple[str, ...] = ("train_x", "train_y", "test_x", "t
         ) from None
 
 
-def check_batch(path: Path, batch: int, batch_key: str, train_samples: int) -> None:
-    """The effective batch must fit in the training data that will run, or no window is ever full.
+def check_batch(scale: str, batch: int, train_samples: int, path: Path | None = None, steps: int = 1) -> None:
+    """The effective batch (`steps` of them, for the speed stage) must fit in the training images that will run,
+    or no optimizer step sees a full batch.
 
-    With 4,000 fallback digits and the study's batch of 32,768, a micro-batch of 8,192 holds the whole
-    epoch: the accumulation variants would never accumulate, and their records would still say accum 4.
+    Without `path`, against scales.<scale>.train_samples alone: the hardware stage's check, seconds into a run.
+    With the packed data, against the images it holds too: with 4,000 fallback digits and the study's batch of
+    32,768, a micro-batch of 8,192 holds the whole epoch, so the accumulation variants would never accumulate.
     """
-    available = min(train_samples, len(load(path, ("train_y",))["train_y"]))
-    if batch > available:
-        raise DataError(
-            f"params.yaml: {batch_key} = {batch} is not allowed; {path} holds {available} training images at "
-            f"this scale, so no optimizer step would see a full batch; expected at most {available}"
-        )
+    available = train_samples if path is None else min(train_samples, len(load(path, ("train_y",))["train_y"]))
+    if steps * batch <= available:
+        return
+    key = f"scales.{scale}.batch = {batch}"
+    if steps == 1:
+        what, most, short = key, available, "no optimizer step would see a full batch"
+    else:
+        what, most, short = f"speed.steps = {steps} (x {key})", available // batch, "its last steps would be short"
+    held = f"scales.{scale}.train_samples = {available}"
+    if path is not None:
+        held = f"{path} holds {available} training images at this scale"
+    raise DataError(f"params.yaml: {what} is not allowed; {held}, so {short}; expected at most {most}")
 
 
 def load_tensors(path: Path, device: Any, train_samples: int, test_samples: int) -> dict[str, Any]:

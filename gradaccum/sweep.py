@@ -21,6 +21,7 @@ import psutil
 
 from gradaccum import params, planner
 from gradaccum.memory import MIB
+from gradaccum.refusal import check_child
 
 POINT_COLUMNS = (
     "micro_batch",
@@ -41,9 +42,6 @@ class SweepError(RuntimeError):
     """A sweep point failed for a reason other than memory: the stage stops with it."""
 
 
-REFUSED = 65  # sysexits.h EX_DATAERR: the point refused its input; its last line of stderr is the one-line reason
-
-
 POINT_COMMAND = (sys.executable, "-m", "gradaccum.sweep_point")  # reads the params as JSON on stdin, prints the row
 
 
@@ -58,7 +56,7 @@ def run_point(
 ) -> dict[str, Any]:
     """measure_point in a fresh interpreter, whose last line of output is the row as JSON.
 
-    A point that refuses its input (exit status REFUSED) raises SweepError with its one line, no traceback.
+    A point that refuses its input raises refusal.Refused with its one line, no traceback.
     Out of memory is a row that did not fit: PyTorch's OutOfMemoryError inside the point (GPU), a failed
     allocation (CPU), or the kernel's out-of-memory killer ending it with SIGKILL (CPU). Any other failure,
     and a point still running after memory.sweep_timeout_s, raises SweepError with what the point printed last.
@@ -86,9 +84,8 @@ def run_point(
         row: dict[str, Any] = dict.fromkeys(POINT_COLUMNS)
         error = "killed by SIGKILL, as the kernel's out-of-memory killer ends a process"
         return row | {"micro_batch": micro, "checkpointing": checkpointing, "fit": False, "error": error}
+    check_child(proc.returncode, proc.stderr)  # bad input, said in one line: passed on, no traceback
     lines = proc.stderr.strip().splitlines()
-    if proc.returncode == REFUSED and lines:  # bad input, said in one line: passed on as it is, no traceback
-        raise SweepError(lines[-1].removeprefix("error: "))
     tail = "\n".join(lines[-15:])  # a crash: its traceback
     raise SweepError(f"{what} failed with exit code {proc.returncode}:\n{tail}")
 

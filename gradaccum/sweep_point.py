@@ -18,7 +18,8 @@ from gradaccum.accumulation import schedule
 from gradaccum.loop import amp_dtype, evaluate, make_optimizer, make_scaler, train_epoch
 from gradaccum.memory import MIB, is_out_of_memory, peak_rss_mib
 from gradaccum.models import IMAGE_SIZE, ModelInputError, build_model, check_input
-from gradaccum.sweep import POINT_COLUMNS, REFUSED
+from gradaccum.refusal import refuse
+from gradaccum.sweep import POINT_COLUMNS
 
 
 def measure_point(
@@ -91,7 +92,6 @@ if __name__ == "__main__":
     try:
         check_input(**p.model.model_dump())  # a model that cannot take the images, refused by name (0.1 s)
     except ModelInputError as err:  # one line for the sweep stage to pass on, not a traceback
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(REFUSED)
+        refuse(err)
     row = measure_point(p, torch.device(args.device), args.point, args.checkpointing, args.test_samples, args.last)
     print(json.dumps(row))

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 from gradaccum import mnist, params
 from gradaccum.outputs import write_json
+from gradaccum.refusal import refuse
 from stages.paths import DATASET, PROVENANCE, RAW_DIR
 
 
@@ -24,4 +23,4 @@ if __name__ == "__main__":
     try:
         main()
     except (params.ParamsError, mnist.DataError) as err:
-        sys.exit(f"error: {err}")
+        refuse(err)

@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
-from gradaccum import gradcheck, mnist, params
+from gradaccum import gradcheck, mnist, models, params
 from gradaccum.machine import process_seconds
-from gradaccum.models import build_model
 from gradaccum.outputs import read_json, write_json, write_table
+from gradaccum.refusal import refuse
 from stages.paths import DATASET, GRADCHECK, GRADCHECK_TSV, HARDWARE
 
 
 def main() -> None:
     p = params.load()
+    models.check_input(**p.model.model_dump())  # when run alone: a model that cannot take the images, in one line
     device = torch.device(read_json(HARDWARE)["device"])
     data = mnist.load_tensors(DATASET, device, gradcheck.SAMPLES, 0)
     start = time.perf_counter()
     result = gradcheck.gradient_check(
-        lambda norm: build_model(**p.model.model_dump(), norm=norm, seed=p.seed, device=device),
+        lambda norm: models.build_model(**p.model.model_dump(), norm=norm, seed=p.seed, device=device),
         data["train_x"],
         data["train_y"],
         seed=p.seed,
@@ -33,5 +33,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (params.ParamsError, mnist.DataError) as err:
-        sys.exit(f"error: {err}")
+    except (params.ParamsError, mnist.DataError, models.ModelInputError) as err:
+        refuse(err)

@@ -6,13 +6,12 @@ re-runs training while a second `dvc repro` on the same machine stays cached.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from gradaccum import models, params
+from gradaccum import mnist, models, params
 from gradaccum.machine import describe
 from gradaccum.outputs import write_json
+from gradaccum.refusal import refuse
 from stages.paths import HARDWARE
 
 
@@ -23,6 +22,9 @@ def main() -> None:
     info = describe(cuda)
     info["scale"] = params.resolve_scale(p, cuda)
     params.check_distributed(p, info)  # here, before any long stage: more processes than GPUs, SyncBatchNorm on a CPU
+    scale = p.scale_settings(info["scale"])  # the batches against the scale's images; the data's own count: sweep
+    mnist.check_batch(info["scale"], scale.batch, scale.train_samples)
+    mnist.check_batch(info["scale"], scale.batch, scale.train_samples, steps=p.speed.steps)
     write_json(HARDWARE, info)
     where = info["gpu"]["name"] if cuda else info["cpu"]["name"]
     print(f"hardware: {info['device']} ({where}); scale: {info['scale']}")
@@ -31,5 +33,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (params.ParamsError, models.ModelInputError) as err:
-        sys.exit(f"error: {err}")
+    except (params.ParamsError, mnist.DataError, models.ModelInputError) as err:
+        refuse(err)

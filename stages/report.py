@@ -4,11 +4,11 @@ and reports/metrics.json (what `dvc exp show` compares). The content is built by
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from gradaccum import params
 from gradaccum.outputs import atomic_path, read_json, write_json, write_text
+from gradaccum.refusal import refuse
 from gradaccum.report import Inputs, build, load_variants, tables
 from stages.paths import GRADCHECK, HARDWARE, PROVENANCE, SPEED, SWEEP_PLAN, TRACE, VARIANTS, variant_dir
 
@@ -57,4 +57,4 @@ if __name__ == "__main__":
     try:
         main()
     except (params.ParamsError, FileNotFoundError) as err:
-        sys.exit(f"error: {err}")
+        refuse(err)

@@ -5,13 +5,12 @@ The report takes every speed comparison from here: the training stages run one a
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from gradaccum import mnist, params
+from gradaccum import mnist, models, params
 from gradaccum.machine import process_seconds
 from gradaccum.outputs import read_json, write_json
+from gradaccum.refusal import refuse
 from gradaccum.speed import time_variants
 from stages.paths import DATASET, HARDWARE, SPEED, SWEEP_PLAN
 
@@ -19,10 +18,12 @@ from stages.paths import DATASET, HARDWARE, SPEED, SWEEP_PLAN
 def main() -> None:
     p = params.load()
     hw = read_json(HARDWARE)
+    models.check_input(**p.model.model_dump())  # the checks that apply here, for a run of this stage alone
     plan = read_json(SWEEP_PLAN) if SWEEP_PLAN.exists() else None
     scale = p.scale_settings(hw["scale"])
+    mnist.check_batch(hw["scale"], scale.batch, scale.train_samples, DATASET)
+    mnist.check_batch(hw["scale"], scale.batch, scale.train_samples, DATASET, steps=p.speed.steps)
     n = p.speed.steps * scale.batch
-    mnist.check_batch(DATASET, n, f"speed.steps x scales.{hw['scale']}.batch", scale.train_samples)
     data = mnist.load_tensors(DATASET, torch.device(hw["device"]), n, 0)
     result = time_variants(p, hw, data, plan, p.speed.rounds, p.speed.steps)
     write_json(SPEED, result | {"stage_seconds": process_seconds()})
@@ -33,5 +34,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (params.ParamsError, mnist.DataError) as err:
-        sys.exit(f"error: {err}")
+    except (params.ParamsError, mnist.DataError, models.ModelInputError) as err:
+        refuse(err)

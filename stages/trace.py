@@ -6,11 +6,10 @@ batches, the precisions), and refuses a model that cannot take the data's images
 
 from __future__ import annotations
 
-import sys
-
 from gradaccum import models, params, trace
 from gradaccum.machine import process_seconds
 from gradaccum.outputs import write_json
+from gradaccum.refusal import refuse
 from stages.paths import TRACE
 
 
@@ -25,4 +24,4 @@ if __name__ == "__main__":
     try:
         main()
     except (params.ParamsError, models.ModelInputError) as err:
-        sys.exit(f"error: {err}")
+        refuse(err)

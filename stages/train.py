@@ -19,6 +19,7 @@ from gradaccum.loop import EPOCH_COLUMNS, STEP_COLUMNS
 from gradaccum.machine import process_seconds
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import atomic_path, read_json, write_json, write_table, write_text
+from gradaccum.refusal import Refused, refuse
 from stages.paths import DATASET, HARDWARE, PROVENANCE, SWEEP_PLAN, variant_dir, weights_path
 
 
@@ -32,7 +33,7 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
     models.check_input(**p.model.model_dump())  # so does a model that cannot take the images
     params.check_distributed(p, hw)
     scale = p.scale_settings(hw["scale"])
-    mnist.check_batch(DATASET, scale.batch, f"scales.{hw['scale']}.batch", scale.train_samples)
+    mnist.check_batch(hw["scale"], scale.batch, scale.train_samples, DATASET)
     nproc = p.distributed.nproc_per_node
     if nproc > 1 and not distributed.launched():  # one process per device, started by torchrun
         sys.exit(relaunched(variant, nproc))
@@ -94,5 +95,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     try:
         main(args.variant, args.memory_snapshot)
-    except (params.ParamsError, mnist.DataError, models.ModelInputError) as err:
-        sys.exit(f"error: {err}")
+    except (params.ParamsError, mnist.DataError, models.ModelInputError, Refused) as err:  # Refused: by a rank
+        refuse(err)

@@ -18,6 +18,7 @@ from ddp_worker import CASES, tiny_model, window_data
 from gradaccum import params
 from gradaccum.accumulation import micro_batch_size, relative_difference, schedule, windows
 from gradaccum.loop import normalize
+from gradaccum.refusal import REFUSED
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("ddp_worker.py")
@@ -165,6 +166,56 @@ def test_ctrl_c_while_relaunched_under_torchrun_leaves_no_rank(tmp_path: Path) -
             proc.kill()
         parent.kill()
         parent.wait()
+
+
+RANK_WORKER = """
+import sys
+from gradaccum import distributed, refusal
+rank, _, _ = distributed.setup("cpu")
+if rank == 1:
+    if sys.argv[1] == "refuse":
+        refusal.refuse("params.yaml: scales.cpu.batch = 8192 is not allowed; expected at most 4000")
+    raise RuntimeError("rank 1 crashed on purpose")
+distributed.all_sum(1.0)  # rank 0 waits here for a rank that is gone
+"""
+RELAUNCHER = (
+    "import sys\n"
+    "from gradaccum import distributed, refusal\n"
+    "try:\n"
+    "    sys.exit(distributed.relaunch(2, 'rank_worker', sys.argv[1:]))\n"
+    "except refusal.Refused as err:\n"
+    "    refusal.refuse(err)\n"
+)
+
+
+def relaunch_worker(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
+    """distributed.relaunch of RANK_WORKER, as the train stage relaunches itself, in a process of its own."""
+    (tmp_path / "rank_worker.py").write_text(RANK_WORKER)
+    return subprocess.run(
+        [sys.executable, "-c", RELAUNCHER, mode],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def test_a_rank_that_refuses_its_input_is_one_line_not_torchruns_traceback(tmp_path: Path) -> None:
+    result = relaunch_worker(tmp_path, "refuse")
+    assert result.returncode == REFUSED, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: params.yaml: scales.cpu.batch = 8192 is not allowed; expected at most 4000"
+    )
+    assert "Traceback" not in result.stdout + result.stderr and "ChildFailedError" not in result.stderr
+
+
+def test_a_rank_that_crashes_shows_its_traceback(tmp_path: Path) -> None:
+    result = relaunch_worker(tmp_path, "crash")
+    assert result.returncode not in (0, REFUSED)
+    assert "Traceback" in result.stderr and "RuntimeError: rank 1 crashed on purpose" in result.stderr
+    assert "ChildFailedError" in result.stderr  # torchrun's own report of it comes through
 
 
 def test_out_of_memory_in_one_rank_of_two_is_a_result(workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -128,3 +128,29 @@ def test_no_library_module_imports_a_stage_and_no_stage_imports_another() -> Non
         own = f"stages.{path.stem}"  # the train stage re-runs itself under torchrun
         others = {m for m in imported_modules(path) if m.startswith("stages.") and m not in ("stages.paths", own)}
         assert not others, f"{path.relative_to(ROOT)} imports {others}: a stage never imports another stage"
+
+
+def test_the_committed_dvc_lock_is_in_step_with_the_code_and_params() -> None:
+    """dvc.lock is committed, as DVC means it to be: the record of which code and params made the committed
+    reports/metrics.json. A change to a stage's code, command or params without the run that follows it (make
+    repro, then commit dvc.lock and reports/metrics.json) would have a clone's `dvc status` name stale provenance.
+    Outputs are not compared: a clone has none (no DVC remote), and `dvc repro` makes them."""
+    import json
+    import subprocess
+    import sys
+
+    def run(*cmd: str) -> str:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+    tracked = set(run("git", "ls-files").split())
+    status = json.loads(run(str(Path(sys.executable).with_name("dvc")), "status", "--json"))
+    stale = {}
+    for stage, changes in status.items():
+        for change in changes:
+            if change == "changed command":
+                stale.setdefault(stage, []).append("its command")
+            elif isinstance(change, dict) and "changed deps" in change:
+                for path, what in change["changed deps"].items():
+                    if path == "params.yaml" or path in tracked:  # code and params; not another stage's output
+                        stale.setdefault(stage, []).append(f"{path}: {what}")
+    assert stale == {}, f"dvc.lock is behind the code: run `make repro`, then commit dvc.lock: {stale}"

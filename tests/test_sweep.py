@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gradaccum import params
+from gradaccum.refusal import Refused
 from gradaccum.sweep import SweepError, run_point
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +56,7 @@ def test_a_crash_in_a_point_stops_the_sweep_with_its_traceback(p: params.Params)
 def test_a_point_that_refuses_its_model_says_so_in_one_line(p: params.Params) -> None:
     """The real point process: a model that cannot take the images is its one line, not a traceback."""
     vit = params.set_values(p.model_dump(), ["model.name=vit_tiny_patch16_224"])
-    with pytest.raises(SweepError) as caught:
+    with pytest.raises(Refused) as caught:
         run_point(vit, 64, "cpu")
     message = str(caught.value)
     assert message.startswith("params.yaml: model.name = 'vit_tiny_patch16_224' cannot take the data's 28x28")
