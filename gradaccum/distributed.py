@@ -40,7 +40,10 @@ def relaunch(nproc: int, module: str, args: list[str]) -> int:
     they run in sessions of their own, so the terminal's SIGINT never reaches them, and subprocess.run's
     kill of torchrun 0.25 s after the signal would leave them running.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    # One node: its ranks meet on loopback, not on the host name, which a container without a network
+    # (docker run --network none) cannot resolve, and torchrun's rendezvous would wait 300 s for it.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1"]
+    cmd += [f"--nproc_per_node={nproc}"]
     with tempfile.TemporaryDirectory() as tmp:
         refused = Path(tmp) / "refused"
         env = {**os.environ, REFUSAL_FILE: str(refused)}
