@@ -16,6 +16,9 @@ $(BIN)/.installed: requirements.lock
 
 repro: $(BIN)/.installed
 	$(BIN)/dvc repro
+	@echo
+	@echo "The report: $(CURDIR)/reports/report.html (one file, opens offline: xdg-open or open it, or any browser)"
+	@echo "            reports/report.md, figures in reports/figures/; the curves: .venv/bin/dvc plots show"
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check gradaccum stages tests benchmarks

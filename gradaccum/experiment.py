@@ -142,8 +142,11 @@ def run_variant(
     rank: int = 0,
     world: int = 1,
     memory_snapshot: Path | None = None,
+    on_epoch: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None,
 ) -> VariantRun:
-    """Train one variant inside the memory sampler; returns its record, epoch rows, timeline and weights."""
+    """Train one variant inside the memory sampler; returns its record, epoch rows, timeline and weights.
+
+    `on_epoch` follows the first seed's run as it goes (the stage's DVCLive logger)."""
     v, scale = p.variants[variant], p.scale_settings(hw["scale"])
     device = data["train_x"].device
     accum = variant_accum(p, variant, plan, hw["scale"])
@@ -155,7 +158,9 @@ def run_variant(
         print(headline(variant, v, accum, micro, world, scale.batch, hw, dtype), flush=True)
     failure, not_run = plan_check(p, device, micro, plan, world), emulation_check(p, hw, dtype)
     steps: list[dict[str, Any]] = []
-    first_seed = partial(train_variant, model, data, p, variant, scale, accum, dtype, p.seed, rank, world, steps)
+    first_seed = partial(
+        train_variant, model, data, p, variant, scale, accum, dtype, p.seed, rank, world, steps, on_epoch
+    )
     with cudnn_settings(v.cudnn, device) as cudnn:
         rows, failure, sampler, alone = measured_training(
             first_seed, device, p.memory.interval_ms, failure, rank, world, memory_snapshot, not not_run
@@ -227,6 +232,7 @@ def train_variant(
     rank: int,
     world: int,
     step_rows: list[dict[str, Any]] | None = None,
+    on_epoch: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """The loop with the variant's settings; `seed` orders the data (the model's own seed set its weights)."""
     v = p.variants[variant]
@@ -247,6 +253,7 @@ def train_variant(
         rank=rank,
         world=world,
         step_rows=step_rows,
+        on_epoch=on_epoch,
     )
 
 

@@ -8,6 +8,7 @@ run this loop, so what they measure is what the study trains with.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -145,12 +146,14 @@ def train(
     rank: int = 0,
     world: int = 1,
     step_rows: list[dict[str, Any]] | None = None,
+    on_epoch: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """The whole run; per epoch: loss, test accuracy, steps and speed (evaluation not timed).
 
     `weighting` and `epoch_end_step` other than the defaults reproduce the tutorial's loop (see `schedule`).
     With world > 1, `model` is DDP-wrapped and each rank runs its share of every window.
     `step_rows`, if given, gets a row per optimizer step (STEP_COLUMNS): the curve a few epochs hide.
+    `on_epoch`, if given, is called on rank 0 after each epoch with its row and its step rows (DVCLive).
     """
     device = data["train_x"].device
     opt = make_optimizer(model, lr, weight_decay)
@@ -159,7 +162,7 @@ def train(
     micro = micro_batch_size(batch, accum * world)  # per rank: a window is accum x world micro-batches
     plan = schedule(n, micro, accum, weighting, epoch_end_step, rank, world)  # same split every epoch
     shuffle = torch.Generator().manual_seed(seed)
-    rows = []
+    rows, done = [], 0  # done: optimizer steps of the epochs before
     for epoch in tqdm(range(1, epochs + 1), desc="epochs", unit="epoch", disable=None if progress else True):
         perm = torch.randperm(n, generator=shuffle).to(device)
         start, losses = time.perf_counter(), []
@@ -172,10 +175,10 @@ def train(
         test_loss, test_accuracy = evaluate(
             distributed.unwrap(model), data["test_x"], data["test_y"], eval_batch, dtype
         )  # every rank alike, without DDP: no collective to wait on
+        epoch_steps = [{"step": done + 1 + i, "epoch": epoch, "train_loss": x} for i, x in enumerate(losses)]
+        done += len(losses)
         if step_rows is not None:
-            step_rows += [
-                {"step": len(step_rows) + 1 + i, "epoch": epoch, "train_loss": x} for i, x in enumerate(losses)
-            ]
+            step_rows += epoch_steps
         rows.append(
             {
                 "epoch": epoch,
@@ -193,4 +196,6 @@ def train(
                 f"  epoch {epoch}: train loss {train_loss:.4f}  test acc {test_accuracy:.4f}  "
                 f"{n / seconds:.0f} img/s  {steps} steps ({skipped} skipped)"
             )
+            if on_epoch is not None:
+                on_epoch(rows[-1], epoch_steps)
     return rows

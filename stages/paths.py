@@ -21,5 +21,10 @@ def variant_dir(variant: str) -> Path:
     return VARIANTS / variant
 
 
+def live_dir(variant: str) -> Path:
+    """DVCLive's files of a variant's run, updated each epoch (gradaccum/live.py)."""
+    return VARIANTS / variant / "live"
+
+
 def weights_path(variant: str) -> Path:
     return Path("data/models") / f"{variant}.pt"

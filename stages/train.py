@@ -15,12 +15,13 @@ import torch
 
 from gradaccum import distributed, mnist, models, params
 from gradaccum.experiment import VariantRun, run_variant, variant_accum
+from gradaccum.live import LiveCurves, ensure_outputs
 from gradaccum.loop import EPOCH_COLUMNS, STEP_COLUMNS
 from gradaccum.machine import process_seconds
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import atomic_path, read_json, write_json, write_table, write_text
 from gradaccum.refusal import Refused, refuse
-from stages.paths import DATASET, HARDWARE, PROVENANCE, SWEEP_PLAN, variant_dir, weights_path
+from stages.paths import DATASET, HARDWARE, PROVENANCE, SWEEP_PLAN, live_dir, variant_dir, weights_path
 
 
 def main(variant: str, memory_snapshot: Path | None = None) -> None:
@@ -39,7 +40,10 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
         sys.exit(relaunched(variant, nproc))
     rank, world, device = distributed.setup(hw["device"])
     data = mnist.load_tensors(DATASET, device, scale.train_samples, scale.test_samples)
-    run = run_variant(p, variant, hw, data, plan, rank, world, memory_snapshot)
+    live = LiveCurves(live_dir(variant)) if rank == 0 else None  # the curves as it trains (dvc exp show)
+    run = run_variant(p, variant, hw, data, plan, rank, world, memory_snapshot, on_epoch=live)
+    if live is not None:
+        live.close()
     if run.alone:  # out of memory here while the other ranks wait: record it, then fail so torchrun stops them
         write_outputs(variant, run)
         sys.exit(f"train@{variant}: rank {rank} {run.record.why_not()}")
@@ -70,6 +74,7 @@ def write_outputs(variant: str, run: VariantRun) -> None:
         update={"dataset": read_json(PROVENANCE)["kind"], "stage_seconds": process_seconds()}
     )
     out = variant_dir(variant)
+    ensure_outputs(live_dir(variant))  # a rank of several out of memory alone: rank 0's logger never closed
     write_table(out / "epochs.tsv", run.epochs, EPOCH_COLUMNS)
     write_table(out / "steps.tsv", run.steps, STEP_COLUMNS)
     write_table(out / "memory.csv", sampler.rows, TIMELINE_COLUMNS, delimiter=",")

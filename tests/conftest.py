@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,16 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def copy_of_the_tree(dest: Path) -> Path:
+    """The repository's files as a clone has them (tracked, and new ones git does not ignore), without the
+    committed reference reports: no pipeline output, so `dvc repro` there runs every stage."""
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in files:
+        if (ROOT / name).is_file() and not name.startswith("reports/reference/"):
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import copy_of_the_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -43,14 +43,7 @@ def ran(output: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    repo = tmp_path_factory.mktemp("clone")
-    files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    for name in files:
-        if (ROOT / name).is_file() and not name.startswith("reports/reference/"):
-            (repo / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, repo / name)
+    repo = copy_of_the_tree(tmp_path_factory.mktemp("clone"))
     (repo / "params.yaml").write_text(tiny_params())
     env = {
         **os.environ,
@@ -187,3 +180,42 @@ def test_readme_sweep_queues_one_experiment_per_accum(repo, repro: str) -> None:
     status = run(["dvc", "queue", "status"], path, env)
     assert status.count("Queued") == 8, status
     run(["dvc", "queue", "remove", "--queued"], path, env)
+
+
+PLOTS_PROBE = """<script>
+window.addEventListener("load", () => setTimeout(() => {  // vegaEmbed draws asynchronously
+  const out = document.createElement("pre");
+  out.id = "probe";
+  out.textContent = JSON.stringify({
+    images: [...document.querySelectorAll(".vega-embed canvas")].map((c) => [true, c.width]),
+    requests: performance.getEntriesByType("resource").map((e) => e.name),
+  });
+  document.body.appendChild(out);
+}, 3000));
+</script>
+"""
+
+
+@pytest.mark.parametrize("template", ["offline", "dvc's own"])
+def test_dvc_plots_show_draws_offline(repo, repro: str, tmp_path: Path, template: str) -> None:
+    """`dvc plots show` with the committed template (.dvc/plots/offline.html, vega inlined) draws every plot in
+    headless Chromium with the network blocked; DVC's own page, the control, asks a CDN and draws nothing."""
+    from test_report_browser import chromium, open_offline
+
+    browser = chromium()
+    path, env = repo
+    extra = [] if template == "offline" else ["--html-template", str(tmp_path / "cdn.html")]
+    if extra:
+        (tmp_path / "cdn.html").write_text("<html><head>{scripts}</head><body>{plot_divs}</body></html>")
+    run(["dvc", "plots", "show", "-o", str(tmp_path / "plots"), *extra], path, env)
+    page = tmp_path / "plots/index.html"
+    calls = page.read_text().count("vegaEmbed(")
+    head, _, tail = page.read_text().rpartition("</body>")  # the page's own: vega-embed's code holds the string too
+    page.write_text(head + PLOTS_PROBE + "</body>" + tail)
+    seen, asked = open_offline(browser, page, tmp_path)
+    drawn = [width for _, width in seen["images"] if width > 0]
+    if template == "offline":
+        assert calls >= 4 and len(drawn) == calls, (calls, seen)  # dvc.yaml's four plots and the stages' own
+        assert asked == set() and seen["requests"] == []
+    else:
+        assert drawn == [] and any("cdn.jsdelivr.net" in url for url in asked)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import copy_of_the_tree
 
 from gradaccum import mnist, params
 from gradaccum.outputs import write_json
@@ -120,14 +121,7 @@ def test_a_stage_run_alone_refuses_in_one_line(workdir: Path, row: Row, stage: s
 @pytest.fixture(scope="module")
 def fresh_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The repository's files as a clone has them (no reference reports), with no outputs: `dvc repro` runs all."""
-    base = tmp_path_factory.mktemp("fresh")
-    files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    for name in files:
-        if (ROOT / name).is_file() and not name.startswith("reports/reference/"):
-            (base / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, base / name)
+    base = copy_of_the_tree(tmp_path_factory.mktemp("fresh"))
     subprocess.run(["git", "init", "-q"], cwd=base, check=True)
     return base
 

@@ -443,7 +443,14 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
 
     headings = re.findall(r"^## (.+)$", md, flags=re.M)
     assert headings[0] == "What this run found" and headings[-2:] == ["Variants", "What ran"]  # answer first
-    found = {r["question"]: r["answer"] for r in md_table(md, "What this run found")}
+    here = "measured on this GPU (nvidia-smi)" if device == "cuda" else "measured on this machine (host RSS)"
+    first = {r["question"]: r for r in md_table(md, "What this run found")}  # sentences, side by side
+    assert all(len(re.sub(r"[^\w\s]", " ", r[here]).split()) <= 32 for r in first.values()), first
+    assert first["Does accumulation save memory?"][here].startswith("Yes: ")
+    gpu = first["Does accumulation save memory?"]["predicted for a GPU (study scale, traced)"]
+    assert gpu.startswith(f"Yes: {(105 + 0.78 * 8192) / 1024:.2f} against ")
+    assert first["What does it cost?"][here].endswith(": slower in all 3 rounds (sign test p = 0.25: could be chance).")
+    found = {r["question"]: r["answer"] for r in md_table(md, "The numbers behind it")}
     assert "accumulation (4 x" in found["How much memory does accumulation save?"]
     assert "x the groupnorm control's" in found["How much memory does accumulation save?"]
     acc_speed = [1 / 4 * f / g for f, g in zip(ROUND_FACTORS["accumulation"], ROUND_FACTORS["groupnorm"], strict=True)]

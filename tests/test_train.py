@@ -368,3 +368,26 @@ def test_the_tutorial_variants_record_says_its_cudnn_switch_changed_nothing_on_a
     record = json.loads((workdir / "reports/variants/tutorial_accumulation/metrics.json").read_text())["cudnn"]
     assert record["setting"] == "tutorial" and record["applied"] is False and "CPU" in record["note"]
     assert flags == [torch.backends.cudnn.enabled]  # trained under the flags as they were
+
+
+def test_dvclive_follows_the_run_epoch_by_epoch(tmp_path: Path) -> None:
+    """DVCLive's files are rewritten after every epoch, while the run goes on (what dvc exp show and DVC's VS Code
+    extension read), and hold the same numbers as the records written at the end."""
+    from gradaccum.live import LiveCurves
+
+    live, seen, steps = LiveCurves(tmp_path / "live"), [], []
+
+    def on_epoch(epoch: dict, epoch_steps: list[dict]) -> None:
+        live(epoch, epoch_steps)
+        seen.append(json.loads((tmp_path / "live/metrics.json").read_text()))
+
+    kwargs = {"lr": 3e-3, "weight_decay": 0.0, "batch": 64, "accum": 2, "epochs": 3, "seed": 0, "dtype": None}
+    rows = loop.train(tiny_model(0), digits(), **kwargs, eval_batch=128, step_rows=steps, on_epoch=on_epoch)
+    live.close()
+    assert [s["epoch"] for s in seen] == [1, 2, 3]  # one summary per epoch, each before the next epoch ran
+    assert [s["per_epoch"]["test_accuracy"] for s in seen] == [r["test_accuracy"] for r in rows]
+    tsv = (tmp_path / "live/plots/metrics/train_loss.tsv").read_text().splitlines()
+    assert tsv[0].split("\t")[-2:] == ["step", "train_loss"]
+    assert [int(line.split("\t")[-2]) for line in tsv[1:]] == [s["step"] for s in steps]
+    assert [float(line.split("\t")[-1]) for line in tsv[1:]] == pytest.approx([s["train_loss"] for s in steps])
+    assert (tmp_path / "live/plots/metrics/per_epoch/test_accuracy.tsv").is_file()

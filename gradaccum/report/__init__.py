@@ -72,7 +72,10 @@ def build(inputs: Inputs) -> Report:
             "The ratios and the equivalence carry over; absolute memory, speed and accuracy do not."
         )
     rep.heading("What this run found")
-    rep.table(tables.findings(inputs.results, inputs.grad, inputs.plan, hw["device"], inputs.speed))
+    predicted = traced.gpu_answers(inputs.trace) if inputs.trace else {}
+    rep.table(tables.answers(inputs.results, inputs.grad, hw["device"], inputs.speed, predicted))
+    rep.heading("The numbers behind it")
+    rep.table(tables.finding_details(inputs.results, inputs.grad, inputs.plan, hw["device"], inputs.speed))
     rep.heading("The tutorial's claims against this run")
     study_on_gpu = hw["scale"] == "study" and hw["device"] == "cuda"
     claims = tables.claims_table(inputs.results, study_on_gpu, inputs.grad, inputs.plan)

@@ -480,15 +480,61 @@ def batch_part(m: VariantRecord, plan: dict[str, Any] | None) -> float | None:
     return peak - plan["fit"]["fixed_mib"]
 
 
-def findings(
+MEASURED_HERE = {"cuda": "measured on this GPU (nvidia-smi)", "cpu": "measured on this machine (host RSS)"}
+PREDICTED_GPU = "predicted for a GPU (study scale, traced)"
+
+
+def answers(
+    results: Results,
+    grad: dict[str, Any] | None,
+    device: str,
+    speed: dict[str, Any] | None,
+    predicted: dict[str, str],
+) -> list[dict[str, str]]:
+    """The report's first screen: each question answered in a sentence, what this run measured beside what
+    the trace predicts for a GPU (`predicted`, by question); the numbers behind each follow (finding_details)."""
+    done = fitted(results)
+    base, acc, gn = done.get("baseline"), done.get("accumulation"), done.get("groupnorm")
+    here = MEASURED_HERE["cuda" if device == "cuda" else "cpu"]
+    rows = []
+    if acc and base:
+        a, b = peak_mib(acc), peak_mib(base)
+        text = f"Yes: {a:.0f} against {b:.0f} MiB, {a / b:.2f} x the baseline's peak"
+        if gn:
+            text += f"; {a / peak_mib(gn):.2f} x its norm control's, so the micro-batch saves it, not the norm"
+        rows.append({"question": "Does accumulation save memory?", "answer": text + "."})
+    elif acc and "baseline" in results:  # the baseline ran out of memory: the answer the tutorial met
+        failed = peak_mib(results["baseline"].record)
+        at = f" ({failed:.0f} MiB when it failed)" if failed else ""
+        answer = f"Yes: it trained at {peak_mib(acc):.0f} MiB; the baseline did not fit{at}."
+        rows.append({"question": "Does accumulation save memory?", "answer": answer})
+    if speed and acc and (r := speed_ratios(speed).get("accumulation")):
+        answer = f"{ratio_text(r)} x its control's speed: {speed_verdict(r)}."
+        rows.append({"question": "What does it cost?", "answer": answer})
+    if grad and acc and gn:
+        same = "Yes" if grad["groupnorm_equal"] else "No"
+        a_loss, g_loss = seed_mean(acc, "final_train_loss"), seed_mean(gn, "final_train_loss")
+        rows.append(
+            {
+                "question": "Is it the same training?",
+                "answer": f"{same}: the gradient matches the full batch's to {grad['groupnorm_max']:.1e}; final loss "
+                f"{a_loss:.4f} against {g_loss:.4f} without accumulation.",
+            }
+        )
+    return [
+        {"question": r["question"], here: r["answer"], PREDICTED_GPU: predicted.get(r["question"], "-")} for r in rows
+    ]
+
+
+def finding_details(
     results: Results,
     grad: dict[str, Any] | None,
     plan: dict[str, Any] | None,
     device: str,
     speed: dict[str, Any] | None = None,
 ) -> list[dict[str, str]]:
-    """The answer, first: memory saved against the baseline and the norm control, and whether the training is
-    the same one. Every number from the records."""
+    """The numbers behind the first screen: memory saved against the baseline and the norm control, the speed
+    rounds, and whether the training is the same one. Every number from the records."""
     get, done = {name: r.record for name, r in results.items()}, fitted(results)
     base, acc, gn = done.get("baseline"), done.get("accumulation"), done.get("groupnorm")
     what = "GPU memory (nvidia-smi)" if device == "cuda" else "host memory (RSS)"

@@ -39,6 +39,23 @@ PREDICTED = (  # the study scale's predicted GPU figures (gradaccum/allocator.py
 GOALS = {"allocated": 0.03, "reserved": 0.10, "nvidia-smi": 0.10}  # issue 28: how close a prediction must come
 
 
+def gpu_answers(trace: dict[str, Any]) -> dict[str, str]:
+    """The report's first screen, by question: what the trace predicts for a GPU at the study scale."""
+    rows = rows_at(trace, "study")
+    acc, base, gn = rows.get("accumulation"), rows.get("baseline"), rows.get("groupnorm")
+    out = {"What does it cost?": "Not predicted: speed needs a GPU run (scripts/gpu_check.sh)."}
+    if acc and base:
+        text = (
+            f"Yes: {gib(acc['peak_mib'])} against {gib(base['peak_mib'])} GiB of tensors "
+            f"({acc['peak_mib'] / base['peak_mib']:.2f}); {gib(acc['gpu_nvidia_smi_mib'])} against "
+            f"{gib(base['gpu_nvidia_smi_mib'])} GiB in nvidia-smi"
+        )
+        if gn:
+            text += f"; GroupNorm at full batch: {gib(gn['peak_mib'])} GiB"
+        out["Does accumulation save memory?"] = text + "."
+    return out
+
+
 def study_rows(trace: dict[str, Any], results: Results, on_gpu: bool) -> list[dict[str, Any]]:
     """Every variant's traced peak at the study scale, by kind, and the GPU figures it predicts: PyTorch's
     allocated and reserved peaks and nvidia-smi's; where the study ran on a GPU, each beside what it measured."""

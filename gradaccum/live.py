@@ -1,0 +1,45 @@
+"""A variant's curves as it trains, through DVCLive (the DVC project's own logger).
+
+DVCLive writes `metrics.json` (the latest values, which `dvc exp show` reads from the workspace while an
+experiment runs) and a TSV per metric under `plots/metrics/` (what `dvc plots` and DVC's VS Code extension
+draw), rewritten after each epoch: the loop syncs the device once an epoch, so its step losses arrive then.
+The variant's full record (metrics.json, steps.tsv, epochs.tsv) stays the stage's own, written once at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+EPOCH_METRICS = ("train_loss", "test_loss", "test_accuracy", "images_per_second")
+
+
+class LiveCurves:
+    """`on_epoch` for loop.train: each optimizer step's loss, and each epoch's metrics at its last step."""
+
+    def __init__(self, directory: Path) -> None:
+        from dvclive import Live  # imports DVC itself: only the process that logs pays for it
+
+        self.directory = directory
+        self.live = Live(str(directory), report=None, save_dvc_exp=False, dvcyaml=None)
+
+    def __call__(self, epoch: dict[str, Any], steps: list[dict[str, Any]]) -> None:
+        for row in steps:
+            self.live.step = row["step"]
+            self.live.log_metric("train_loss", row["train_loss"])
+        for key in EPOCH_METRICS:
+            self.live.log_metric(f"per_epoch/{key}", epoch[key])
+        self.live.log_metric("epoch", epoch["epoch"], plot=False)
+        self.live.next_step()  # metrics.json now says how far the run is
+
+    def close(self) -> None:
+        self.live.end()
+        ensure_outputs(self.directory)
+
+
+def ensure_outputs(directory: Path) -> None:
+    """What dvc.yaml declares, also for a variant that did not fit or did not run (no epoch was logged)."""
+    (directory / "plots/metrics").mkdir(parents=True, exist_ok=True)
+    if not (directory / "metrics.json").exists():
+        (directory / "metrics.json").write_text(json.dumps({}) + "\n")
