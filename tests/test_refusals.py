@@ -44,8 +44,9 @@ def readme_rows() -> list[Row]:
         if not line.startswith("|"):
             break
         _, example, first, also = (cell.strip() for cell in line.strip("|").split("|"))
-        stages = re.findall(r"`(\w+)`", also) if also != "every stage" else [s for s in ORDER if s not in first]
-        rows.append(Row(example.strip("`").split(), re.findall(r"`(\w+)`", first)[0], stages))
+        stage = re.findall(r"`(\w+)`", first)[0]
+        stages = re.findall(r"`(\w+)`", also) if also != "every stage" else [s for s in ORDER if s != stage]
+        rows.append(Row(example.strip("`").split(), stage, stages))
     return rows
 
 
