@@ -1,13 +1,13 @@
 # Two commands do all the set-up on a fresh Linux machine with Python 3.11:
 #   make repro   the main job (dvc repro at the scale this machine fits)
-#   make test    the tests
+#   make test    the tests but the end-to-end ones; make test-e2e runs those (.ci/run runs both)
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 # Stage commands call `python`: the venv's, whether or not it is activated.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: repro test test-fast bench clean-venv
+.PHONY: repro test test-e2e bench clean-venv
 
 $(BIN)/.installed: requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,11 @@ repro: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check gradaccum stages tests benchmarks
-	$(BIN)/python -m pytest -q tests
-
-test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# The tests marked slow: the pipeline end to end on a fresh copy (dvc repro, dvc exp run, scripts/gpu_check.sh).
+test-e2e: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m slow tests
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.run

@@ -106,9 +106,10 @@ def test_the_container_check_runs_the_readme_commands() -> None:
     assert bash.returncode == 0, bash.stderr.decode()
 
 
-def test_ci_runs_the_readme_test_command() -> None:
+def test_ci_runs_the_readme_test_commands() -> None:
+    """Both of the README's test commands, the end-to-end one included, before the image is built."""
     readme = (ROOT / "README.md").read_text()
-    assert "make repro" in readme and "make test" in readme
+    assert "\nmake repro " in readme and "\nmake test " in readme and "`make test-e2e`" in readme
     ci = (ROOT / ".ci/run").read_text()
-    assert re.search(r"^make test$", ci, re.M)
-    assert ci.index("make test") < ci.index("bash scripts/container_check.sh")  # the image after the tests
+    assert re.search(r"^make test$", ci, re.M) and re.search(r"^make test-e2e$", ci, re.M)
+    assert ci.index("make test-e2e") < ci.index("bash scripts/container_check.sh")  # the image after the tests

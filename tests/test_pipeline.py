@@ -1,7 +1,7 @@
 """End to end, as a newcomer runs it: `dvc repro` on a fresh copy, then `dvc exp run -S accum=2`.
 
 Tiny scale (96 images, batch 32, one epoch) and no network (the mirrors point at a closed port,
-so the data stage takes the fallback sample). Minutes, so marked slow; `make test` runs it.
+so the data stage takes the fallback sample). Minutes, so marked slow: `make test-e2e` runs it.
 """
 
 from __future__ import annotations

@@ -87,6 +87,7 @@ def run_stage(workdir: Path, stage: str, changes: list[str], monkeypatch: pytest
         mnist.save(arrays, workdir / "data/dataset.npz")
     monkeypatch.setattr(sys, "argv", [f"stages/{stage}.py", *(["accumulation"] if stage == "train" else [])])
     monkeypatch.setenv("MNIST_MIRRORS", "http://127.0.0.1:9/")
+    monkeypatch.delitem(sys.modules, f"stages.{stage}", raising=False)  # imported by another test: run it afresh
     with pytest.raises(SystemExit) as stopped:  # a stage that does not stop at all fails here: DID NOT RAISE
         runpy.run_module(f"stages.{stage}", run_name="__main__", alter_sys=True)
     return stopped.value.code
