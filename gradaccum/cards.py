@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from gradaccum import allocator, models, params, planner, trace
+from gradaccum.refusal import BadInput
 
 
 def answer(p: params.Params, variants: list[str], cards_gb: list[float], scale: str = "study") -> list[dict[str, Any]]:
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
             raise params.ParamsError(
                 f"--variants: {', '.join(unknown)} not in params.yaml; known: {', '.join(p.variants)}"
             )
-        models.check_input(**p.model.model_dump())
-    except (params.ParamsError, models.ModelInputError) as err:
+        models.check_input(p.model)
+    except BadInput as err:
         sys.exit(f"error: {err}")
     cards = args.cards or p.memory.cards_gb
     rows = answer(p, args.variants or list(p.variants), cards, args.scale)

@@ -19,12 +19,14 @@ class LiveCurves:
     """`on_epoch` for loop.train: each optimizer step's loss, and each epoch's metrics at its last step."""
 
     def __init__(self, directory: Path) -> None:
-        from dvclive import Live  # imports DVC itself: only the process that logs pays for it
-
         self.directory = directory
-        self.live = Live(str(directory), report=None, save_dvc_exp=False, dvcyaml=None)
+        self.live: Any = None  # made at the first epoch: a variant that does not run never imports DVC (1 s)
 
     def __call__(self, epoch: dict[str, Any], steps: list[dict[str, Any]]) -> None:
+        if self.live is None:
+            from dvclive import Live  # imports DVC itself: only the process that logs pays for it
+
+            self.live = Live(str(self.directory), report=None, save_dvc_exp=False, dvcyaml=None)
         for row in steps:
             self.live.step = row["step"]
             self.live.log_metric("train_loss", row["train_loss"])
@@ -34,8 +36,8 @@ class LiveCurves:
         self.live.next_step()  # metrics.json now says how far the run is
 
     def close(self) -> None:
-        self.live.end()
-        ensure_outputs(self.directory)
+        if self.live is not None:
+            self.live.end()
 
 
 def ensure_outputs(directory: Path) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from gradaccum.outputs import atomic_path
+from gradaccum.refusal import BadInput
 
 # Train files first: a training set is what a fallback cannot replace cheaply.
 FILES = (
@@ -52,7 +53,7 @@ CONTENT_MD5 = {
 }
 
 
-class DataError(RuntimeError):
+class DataError(BadInput, RuntimeError):
     """A data file that is missing, corrupt or truncated, or no way to get the data at all."""
 
 
@@ -247,7 +248,7 @@ def load(path: Path, keys: tuple[str, ...] = ("train_x", "train_y", "test_x", "t
 
 def check_batch(scale: str, batch: int, train_samples: int, path: Path | None = None, steps: int = 1) -> None:
     """The effective batch (`steps` of them, for the speed stage) must fit in the training images that will run,
-    or no optimizer step sees a full batch.
+    or no optimizer step sees a full batch. A batch too large alone is named as such, whatever `steps` is.
 
     Without `path`, against scales.<scale>.train_samples alone: the hardware stage's check, seconds into a run.
     With the packed data, against the images it holds too: with 4,000 fallback digits and the study's batch of
@@ -257,7 +258,7 @@ def check_batch(scale: str, batch: int, train_samples: int, path: Path | None = 
     if steps * batch <= available:
         return
     key = f"scales.{scale}.batch = {batch}"
-    if steps == 1:
+    if batch > available:  # the batch alone: say so, whatever `steps` is
         what, most, short = key, available, "no optimizer step would see a full batch"
     else:
         what, most, short = f"speed.steps = {steps} (x {key})", available // batch, "its last steps would be short"

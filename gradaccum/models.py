@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import timm
 import torch
 from timm.layers import BatchNormAct2d, GroupNormAct, set_reentrant_ckpt
 from torch import nn
 
 from gradaccum.depthwise import use_matmul_depthwise
+from gradaccum.refusal import BadInput
+
+if TYPE_CHECKING:
+    from gradaccum.params import Model
 
 IMAGE_SIZE = 28  # MNIST and Fashion-MNIST alike
 
 
-class ModelInputError(ValueError):
+class ModelInputError(BadInput, ValueError):
     """The model cannot take the data's images (28x28, one channel)."""
 
 
@@ -79,16 +85,18 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def check_input(name: str, in_chans: int, num_classes: int, group_norm_groups: int) -> None:
-    """Refuse, before any work, a model that cannot take one 28x28 image: built and run on the meta device,
-    where tensors have shapes and no storage (0.1 s for efficientnet_b0, no memory, whatever the model's size)."""
+def check_input(model: Model) -> None:
+    """Refuse, before any work, params.yaml's model when it cannot take one 28x28 image: built and run on the meta
+    device, where tensors have shapes and no storage (0.1 s for efficientnet_b0, no memory, whatever its size)."""
     try:
         with torch.device("meta"), torch.no_grad():
-            model = build_model(name, in_chans, num_classes, "batch", group_norm_groups, seed=0, device="meta")
-            model.eval()(torch.empty(1, in_chans, IMAGE_SIZE, IMAGE_SIZE))
+            net = build_model(
+                model.name, model.in_chans, model.num_classes, "batch", model.group_norm_groups, seed=0, device="meta"
+            )
+            net.eval()(torch.empty(1, model.in_chans, IMAGE_SIZE, IMAGE_SIZE))
     except Exception as err:  # timm's models fail in many ways on a too-small or wrong input
         raise ModelInputError(
-            f"params.yaml: model.name = {name!r} cannot take the data's {IMAGE_SIZE}x{IMAGE_SIZE} "
+            f"params.yaml: model.name = {model.name!r} cannot take the data's {IMAGE_SIZE}x{IMAGE_SIZE} "
             f"single-channel images ({type(err).__name__}: {str(err).splitlines()[0][:160]}); allowed: a timm "
             "model whose forward accepts them, e.g. efficientnet_b0, resnet18"
         ) from None

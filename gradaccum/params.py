@@ -20,13 +20,14 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from gradaccum.refusal import BadInput
 from gradaccum.tutorial import CORRECTED
 
 PARAMS_FILE = Path("params.yaml")
 SCHEMA_FILE = Path("params.schema.json")
 
 
-class ParamsError(ValueError):
+class ParamsError(BadInput, ValueError):
     """A params.yaml value the study cannot run with."""
 
 

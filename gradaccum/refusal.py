@@ -17,7 +17,12 @@ REFUSED = 65  # sysexits.h EX_DATAERR: the input was refused; the last line of s
 REFUSAL_FILE = "GRADACCUM_REFUSAL_FILE"  # set by distributed.relaunch for its ranks
 
 
-class Refused(ValueError):
+class BadInput(Exception):
+    """Input the study cannot run with (params, data, model): what a stage ends on with `refuse`, not a traceback.
+    Its text is the one line: the key or file, the bad value, what is allowed."""
+
+
+class Refused(BadInput, ValueError):
     """A process this one started refused its input; the text is its one line, without `error: `."""
 
 

@@ -90,7 +90,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     p = params.Params.model_validate_json(sys.stdin.read())  # validated by the parent already
     try:
-        check_input(**p.model.model_dump())  # a model that cannot take the images, refused by name (0.1 s)
+        check_input(p.model)  # a model that cannot take the images, refused by name (0.1 s)
     except ModelInputError as err:  # one line for the sweep stage to pass on, not a traceback
         refuse(err)
     row = measure_point(p, torch.device(args.device), args.point, args.checkpointing, args.test_samples, args.last)

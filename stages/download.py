@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gradaccum import mnist, params
 from gradaccum.outputs import write_json
-from gradaccum.refusal import refuse
+from gradaccum.refusal import BadInput, refuse
 from stages.paths import DATASET, PROVENANCE, RAW_DIR
 
 
@@ -22,5 +22,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (params.ParamsError, mnist.DataError) as err:
+    except BadInput as err:
         refuse(err)

@@ -9,13 +9,13 @@ import torch
 from gradaccum import gradcheck, mnist, models, params
 from gradaccum.machine import process_seconds
 from gradaccum.outputs import read_json, write_json, write_table
-from gradaccum.refusal import refuse
+from gradaccum.refusal import BadInput, refuse
 from stages.paths import DATASET, GRADCHECK, GRADCHECK_TSV, HARDWARE
 
 
 def main() -> None:
     p = params.load()
-    models.check_input(**p.model.model_dump())  # when run alone: a model that cannot take the images, in one line
+    models.check_input(p.model)  # when run alone: a model that cannot take the images, in one line
     device = torch.device(read_json(HARDWARE)["device"])
     data = mnist.load_tensors(DATASET, device, gradcheck.SAMPLES, 0)
     start = time.perf_counter()
@@ -33,5 +33,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (params.ParamsError, mnist.DataError, models.ModelInputError) as err:
+    except BadInput as err:
         refuse(err)

@@ -11,19 +11,18 @@ import torch
 from gradaccum import mnist, models, params
 from gradaccum.machine import describe
 from gradaccum.outputs import write_json
-from gradaccum.refusal import refuse
+from gradaccum.refusal import BadInput, refuse
 from stages.paths import HARDWARE
 
 
 def main() -> None:
     p = params.load()
-    models.check_input(**p.model.model_dump())  # first in every run: a model that cannot take the images, in seconds
+    models.check_input(p.model)  # first in every run: a model that cannot take the images, in seconds
     cuda = torch.cuda.is_available()
     info = describe(cuda)
     info["scale"] = params.resolve_scale(p, cuda)
     params.check_distributed(p, info)  # here, before any long stage: more processes than GPUs, SyncBatchNorm on a CPU
     scale = p.scale_settings(info["scale"])  # the batches against the scale's images; the data's own count: sweep
-    mnist.check_batch(info["scale"], scale.batch, scale.train_samples)
     mnist.check_batch(info["scale"], scale.batch, scale.train_samples, steps=p.speed.steps)
     write_json(HARDWARE, info)
     where = info["gpu"]["name"] if cuda else info["cpu"]["name"]
@@ -33,5 +32,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (params.ParamsError, mnist.DataError, models.ModelInputError) as err:
+    except BadInput as err:
         refuse(err)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gradaccum import params
 from gradaccum.outputs import atomic_path, read_json, write_json, write_text
-from gradaccum.refusal import refuse
+from gradaccum.refusal import BadInput, refuse
 from gradaccum.report import Inputs, build, load_variants, tables
 from stages.paths import GRADCHECK, HARDWARE, PROVENANCE, SPEED, SWEEP_PLAN, TRACE, VARIANTS, variant_dir
 
@@ -56,5 +56,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (params.ParamsError, FileNotFoundError) as err:
+    except (BadInput, FileNotFoundError) as err:
         refuse(err)

@@ -10,7 +10,7 @@ import torch
 from gradaccum import mnist, models, params
 from gradaccum.machine import process_seconds
 from gradaccum.outputs import read_json, write_json
-from gradaccum.refusal import refuse
+from gradaccum.refusal import BadInput, refuse
 from gradaccum.speed import time_variants
 from stages.paths import DATASET, HARDWARE, SPEED, SWEEP_PLAN
 
@@ -18,10 +18,9 @@ from stages.paths import DATASET, HARDWARE, SPEED, SWEEP_PLAN
 def main() -> None:
     p = params.load()
     hw = read_json(HARDWARE)
-    models.check_input(**p.model.model_dump())  # the checks that apply here, for a run of this stage alone
+    models.check_input(p.model)  # the checks that apply here, for a run of this stage alone
     plan = read_json(SWEEP_PLAN) if SWEEP_PLAN.exists() else None
     scale = p.scale_settings(hw["scale"])
-    mnist.check_batch(hw["scale"], scale.batch, scale.train_samples, DATASET)
     mnist.check_batch(hw["scale"], scale.batch, scale.train_samples, DATASET, steps=p.speed.steps)
     n = p.speed.steps * scale.batch
     data = mnist.load_tensors(DATASET, torch.device(hw["device"]), n, 0)
@@ -34,5 +33,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (params.ParamsError, mnist.DataError, models.ModelInputError) as err:
+    except BadInput as err:
         refuse(err)

@@ -10,7 +10,7 @@ import sys
 from gradaccum import mnist, models, params
 from gradaccum.machine import process_seconds
 from gradaccum.outputs import read_json, write_json, write_table
-from gradaccum.refusal import Refused, refuse
+from gradaccum.refusal import BadInput, refuse
 from gradaccum.sweep import POINT_COLUMNS, SweepError, sweep
 from stages.paths import DATASET, HARDWARE, SWEEP_PLAN, SWEEP_POINTS
 
@@ -18,7 +18,7 @@ from stages.paths import DATASET, HARDWARE, SWEEP_PLAN, SWEEP_POINTS
 def main() -> None:
     p = params.load()
     hw = read_json(HARDWARE)
-    models.check_input(**p.model.model_dump())  # refused here, in seconds, not by the first point
+    models.check_input(p.model)  # refused here, in seconds, not by the first point
     scale = p.scale_settings(hw["scale"])  # as train refuses it, before the points run (a minute or more)
     mnist.check_batch(hw["scale"], scale.batch, scale.train_samples, DATASET)
     plan = sweep(p, hw, log=lambda line: print(line, flush=True))
@@ -34,7 +34,7 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (params.ParamsError, mnist.DataError, models.ModelInputError, Refused) as err:
+    except BadInput as err:  # a point's refusal too (Refused)
         refuse(err)
     except (SweepError, ValueError) as err:  # a point that crashed (its traceback), or too few points fit
         sys.exit(f"error: {err}")

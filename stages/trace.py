@@ -9,13 +9,13 @@ from __future__ import annotations
 from gradaccum import models, params, trace
 from gradaccum.machine import process_seconds
 from gradaccum.outputs import write_json
-from gradaccum.refusal import refuse
+from gradaccum.refusal import BadInput, refuse
 from stages.paths import TRACE
 
 
 def main() -> None:
     p = params.load()
-    models.check_input(**p.model.model_dump())
+    models.check_input(p.model)
     result = trace.trace_all(p, log=lambda line: print(line, flush=True))
     write_json(TRACE, result | {"stage_seconds": process_seconds()})
 
@@ -23,5 +23,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (params.ParamsError, models.ModelInputError) as err:
+    except BadInput as err:
         refuse(err)

@@ -20,7 +20,7 @@ from gradaccum.loop import EPOCH_COLUMNS, STEP_COLUMNS
 from gradaccum.machine import process_seconds
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import atomic_path, read_json, write_json, write_table, write_text
-from gradaccum.refusal import Refused, refuse
+from gradaccum.refusal import BadInput, refuse
 from stages.paths import DATASET, HARDWARE, PROVENANCE, SWEEP_PLAN, live_dir, variant_dir, weights_path
 
 
@@ -31,7 +31,7 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
     hw = read_json(HARDWARE)
     plan = read_json(SWEEP_PLAN) if SWEEP_PLAN.exists() else None
     variant_accum(p, variant, plan, hw["scale"])  # a bad accum stops here, before torchrun starts anything
-    models.check_input(**p.model.model_dump())  # so does a model that cannot take the images
+    models.check_input(p.model)  # so does a model that cannot take the images
     params.check_distributed(p, hw)
     scale = p.scale_settings(hw["scale"])
     mnist.check_batch(hw["scale"], scale.batch, scale.train_samples, DATASET)
@@ -74,7 +74,7 @@ def write_outputs(variant: str, run: VariantRun) -> None:
         update={"dataset": read_json(PROVENANCE)["kind"], "stage_seconds": process_seconds()}
     )
     out = variant_dir(variant)
-    ensure_outputs(live_dir(variant))  # a rank of several out of memory alone: rank 0's logger never closed
+    ensure_outputs(live_dir(variant))  # what dvc.yaml declares, for a variant that did not run or fit too
     write_table(out / "epochs.tsv", run.epochs, EPOCH_COLUMNS)
     write_table(out / "steps.tsv", run.steps, STEP_COLUMNS)
     write_table(out / "memory.csv", sampler.rows, TIMELINE_COLUMNS, delimiter=",")
@@ -100,5 +100,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     try:
         main(args.variant, args.memory_snapshot)
-    except (params.ParamsError, mnist.DataError, models.ModelInputError, Refused) as err:  # Refused: by a rank
+    except BadInput as err:  # a rank's refusal too (Refused)
         refuse(err)

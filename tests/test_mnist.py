@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import re
 import shutil
 from pathlib import Path
 
@@ -235,3 +236,18 @@ def test_a_corrupt_mirror_with_fallback_off_stops_the_stage(
     with pytest.raises(mnist.DataError, match="t10k-labels-idx1-ubyte.gz"):
         mnist.prepare("mnist", "", fallback=False, raw_dir=tmp_path / "raw")
     assert not (tmp_path / "raw" / "t10k-labels-idx1-ubyte.gz").exists()
+
+
+@pytest.mark.parametrize(
+    ("batch", "steps", "named"),
+    [
+        (512, 1, "scales.cpu.batch = 512 is not allowed; scales.cpu.train_samples = 400, so no optimizer step"),
+        (512, 3, "scales.cpu.batch = 512 is not allowed; scales.cpu.train_samples = 400, so no optimizer step"),
+        (256, 2, "speed.steps = 2 (x scales.cpu.batch = 256) is not allowed; scales.cpu.train_samples = 400, so its"),
+    ],
+)
+def test_check_batch_names_the_batch_when_it_alone_is_too_large(batch: int, steps: int, named: str) -> None:
+    """One call checks both: a batch larger than the images is named as such, however many speed steps."""
+    with pytest.raises(mnist.DataError, match=re.escape(named)):
+        mnist.check_batch("cpu", batch, 400, steps=steps)
+    mnist.check_batch("cpu", 200, 400, steps=2)  # two full batches fit

@@ -101,6 +101,6 @@ def test_a_model_that_cannot_take_the_images_is_refused_by_name() -> None:
     with pytest.raises(
         models.ModelInputError, match=r"model.name = 'vit_tiny_patch16_224' cannot take the data's 28x28"
     ):
-        models.check_input(**vit.model.model_dump())
+        models.check_input(vit.model)
     resnet = params.set_values(raw, ["model.name=resnet18"])
-    models.check_input(**resnet.model.model_dump())  # any model that takes them passes
+    models.check_input(resnet.model)  # any model that takes them passes
