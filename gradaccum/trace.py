@@ -79,10 +79,14 @@ class PeakTracker(MemTracker):
                 self._peak_mem_snap[device] = dict(snapshot)
 
 
-def steady_optimizer(model: nn.Module, accum: int) -> torch.optim.Optimizer:
+def steady_optimizer(model: nn.Module, accum: int, policy: str = autocast_policy.CPU) -> torch.optim.Optimizer:
     """AdamW as every micro-batch after the first step finds it: its two moments made, and with accum > 1
-    the window's gradients held (accum 1 frees them after each step: zero_grad(set_to_none=True))."""
-    opt = make_optimizer(model, lr=1e-3)
+    the window's gradients held (accum 1 frees them after each step: zero_grad(set_to_none=True)).
+
+    Under CUDA's rules, AdamW's foreach implementation, PyTorch's default for CUDA parameters: its step holds
+    whole lists of parameter-sized temporaries, where the CPU's default (which fake CPU tensors would get)
+    holds one tensor's at a time."""
+    opt = make_optimizer(model, lr=1e-3, foreach=True if policy == autocast_policy.CUDA else None)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -126,7 +130,7 @@ def trace_step(
     rules = autocast_policy.cuda_policy() if policy == autocast_policy.CUDA else contextlib.nullcontext()
     with rules, FakeTensorMode():
         model = build()
-        opt = steady_optimizer(model, accum)
+        opt = steady_optimizer(model, accum, policy)
         dataset = torch.empty(data, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
         tracker = PeakTracker()
         tracker.track_external(model, opt, dataset)

@@ -102,15 +102,15 @@ def test_what_a_step_frees_of_the_resident_tensors_is_made_again_before_the_next
 
 def test_a_traced_linear_step_replays_to_the_hand_count_rounded() -> None:
     """The linear model of tests/test_trace.py, micro-batch 1, traced under CUDA's rules: its peak (AdamW's
-    step: weight, gradient, two moments, two temporaries of 3,136,000 bytes each, the 4-byte step counter and
-    784,000 bytes of data) rounded to 512 bytes each, plus the workspaces, is the predicted allocated peak.
-    Reserved: one 20 MiB segment holds all six weight-sized blocks, one 2 MiB small segment the counter and the
-    data, and the workspaces their own."""
+    step as CUDA runs it, foreach: weight, gradient, two moments and one temporary, the second moments' square
+    roots, of 3,136,000 bytes each, the 4-byte step counter and 784,000 bytes of data) rounded to 512 bytes each,
+    plus the workspaces, is the predicted allocated peak. Reserved: one 20 MiB segment holds all five
+    weight-sized blocks, one 2 MiB small segment the counter and the data, and the workspaces their own."""
     weight = 784 * 1000 * 4
     build = lambda: nn.Sequential(nn.Flatten(), nn.Linear(784, 1000, bias=False))  # noqa: E731
-    r = trace.trace_step(build, micro=1, accum=2, num_classes=10, dtype=None, data=1000, policy="cuda")
+    r = trace.trace_step(build, micro=1, accum=1, num_classes=10, dtype=None, data=1000, policy="cuda")
     workspaces = allocator.CUBLAS_WORKSPACES * allocator.CUBLAS_WORKSPACE
-    assert r["peak_mib"] * MIB == 6 * weight + 4 + 784_000  # the live tensors, unrounded
-    assert r["gpu_allocated_mib"] * MIB == 6 * weight + 512 + 784_384 + workspaces
+    assert r["peak_mib"] * MIB == 5 * weight + 4 + 784_000  # the live tensors, unrounded
+    assert r["gpu_allocated_mib"] * MIB == 5 * weight + 512 + 784_384 + workspaces
     assert r["gpu_reserved_mib"] * MIB == 20 * MIB + 2 * MIB + workspaces
-    assert "gpu_reserved_mib" not in trace.trace_step(build, 1, 2, 10, None, 1000, policy="cpu")  # CUDA's only
+    assert "gpu_reserved_mib" not in trace.trace_step(build, 1, 1, 10, None, 1000, policy="cpu")  # CUDA's only

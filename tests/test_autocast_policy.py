@@ -205,3 +205,32 @@ def test_timms_fast_norm_brings_groupnorm_back_to_batchnorms_memory_under_cudas_
     assert fast["fast_norm"] and fast["activations_mib"] < 0.7 * group["activations_mib"]
     assert fast["activations_mib"] == pytest.approx(batch["activations_mib"], rel=0.02)
     assert not is_fast_norm()
+
+
+def test_pytorch_steps_adamw_with_foreach_kernels_on_a_gpu_and_one_tensor_at_a_time_on_the_cpu() -> None:
+    """The rule, from torch/optim/optimizer.py: with `foreach` unset, AdamW takes the foreach kernels when every
+    parameter is a plain tensor on a device that has them (CUDA, not the CPU), the one-tensor loop otherwise."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach, _get_foreach_kernels_supported_devices
+
+    assert "cuda" in _get_foreach_kernels_supported_devices() and "cpu" not in _get_foreach_kernels_supported_devices()
+    assert _default_to_fused_or_foreach([torch.zeros(2)], differentiable=False) == (False, False)
+    model = nn.Linear(4, 4)
+    assert trace.steady_optimizer(model, 1, autocast_policy.CUDA).defaults["foreach"] is True
+    assert trace.steady_optimizer(model, 1, autocast_policy.CPU).defaults["foreach"] is None  # PyTorch's choice
+
+
+def test_the_traced_gpu_step_holds_adamws_foreach_temporaries() -> None:
+    """Where the optimizer step sets the peak (ten equal convolutions, one image, no autocast), CUDA's rules trace
+    what foreach holds: the square roots of every second moment at once (one parameter-sized list), where the
+    one-tensor loop holds two of one tensor's (its square root and that over the bias correction)."""
+
+    def build() -> nn.Module:
+        convs = [nn.Conv2d(64, 64, 3, padding=1) for _ in range(10)]
+        head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)]
+        return nn.Sequential(nn.Conv2d(1, 64, 3, stride=4), *convs, *head)
+
+    sizes = [p.numel() * 4 / MIB for p in build().parameters()]
+    on_cpu = trace.trace_step(build, 1, 1, 10, None, policy=autocast_policy.CPU)
+    on_gpu = trace.trace_step(build, 1, 1, 10, None, policy=autocast_policy.CUDA)
+    assert on_cpu["activations_mib"] == on_gpu["activations_mib"] == 0  # the step's peak, after backward
+    assert on_gpu["peak_mib"] - on_cpu["peak_mib"] == pytest.approx(sum(sizes) - 2 * max(sizes), rel=1e-3)

@@ -32,8 +32,9 @@ def test_the_private_api_the_trace_reads_is_still_there() -> None:
 
 
 def test_a_linear_models_step_traces_to_the_hand_count() -> None:
-    """Micro-batch 1: the peak is in AdamW's step: weight, gradient, two moments, two temporaries of the
-    weight's size (the foreach implementation), the step counter (4 bytes), and the resident data."""
+    """Micro-batch 1, the CPU's rules: the peak is in AdamW's step: weight, gradient, two moments, two temporaries
+    of the weight's size (the CPU's one-tensor loop: the second moment's square root, then that over the bias
+    correction), the step counter (4 bytes), and the resident data. CUDA's foreach: tests/test_allocator.py."""
     data = 1000
     r = trace.trace_step(linear, micro=1, accum=2, num_classes=10, dtype=None, data=data)
     assert r["parameters_mib"] * MIB == P and r["gradients_mib"] * MIB == P and r["data_mib"] * MIB == data * PIXELS
