@@ -480,6 +480,8 @@ def batch_part(m: VariantRecord, plan: dict[str, Any] | None) -> float | None:
     return peak - plan["fit"]["fixed_mib"]
 
 
+# The first screen's questions: `answers` asks them, traced.gpu_answers keys the GPU column by them.
+SAVES, COSTS, SAME = "Does accumulation save memory?", "What does it cost?", "Is it the same training?"
 MEASURED_HERE = {"cuda": "measured on this GPU (nvidia-smi)", "cpu": "measured on this machine (host RSS)"}
 PREDICTED_GPU = "predicted for a GPU (study scale, traced)"
 
@@ -502,21 +504,21 @@ def answers(
         text = f"Yes: {a:.0f} against {b:.0f} MiB, {a / b:.2f} x the baseline's peak"
         if gn:
             text += f"; {a / peak_mib(gn):.2f} x its norm control's, so the micro-batch saves it, not the norm"
-        rows.append({"question": "Does accumulation save memory?", "answer": text + "."})
+        rows.append({"question": SAVES, "answer": text + "."})
     elif acc and "baseline" in results:  # the baseline ran out of memory: the answer the tutorial met
         failed = peak_mib(results["baseline"].record)
         at = f" ({failed:.0f} MiB when it failed)" if failed else ""
         answer = f"Yes: it trained at {peak_mib(acc):.0f} MiB; the baseline did not fit{at}."
-        rows.append({"question": "Does accumulation save memory?", "answer": answer})
+        rows.append({"question": SAVES, "answer": answer})
     if speed and acc and (r := speed_ratios(speed).get("accumulation")):
         answer = f"{ratio_text(r)} x its control's speed: {speed_verdict(r)}."
-        rows.append({"question": "What does it cost?", "answer": answer})
+        rows.append({"question": COSTS, "answer": answer})
     if grad and acc and gn:
         same = "Yes" if grad["groupnorm_equal"] else "No"
         a_loss, g_loss = seed_mean(acc, "final_train_loss"), seed_mean(gn, "final_train_loss")
         rows.append(
             {
-                "question": "Is it the same training?",
+                "question": SAME,
                 "answer": f"{same}: the gradient matches the full batch's to {grad['groupnorm_max']:.1e}; final loss "
                 f"{a_loss:.4f} against {g_loss:.4f} without accumulation.",
             }

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from gradaccum import planner
-from gradaccum.report.tables import Results, fmt, peak_mib
+from gradaccum.report.tables import COSTS, SAVES, Results, fmt, peak_mib
 from gradaccum.tutorial import CLAIMS
 
 FIXED_KINDS = ("parameters_mib", "buffers_mib", "gradients_mib", "optimizer_mib", "data_mib")
@@ -43,7 +43,7 @@ def gpu_answers(trace: dict[str, Any]) -> dict[str, str]:
     """The report's first screen, by question: what the trace predicts for a GPU at the study scale."""
     rows = rows_at(trace, "study")
     acc, base, gn = rows.get("accumulation"), rows.get("baseline"), rows.get("groupnorm")
-    out = {"What does it cost?": "Not predicted: speed needs a GPU run (scripts/gpu_check.sh)."}
+    out = {COSTS: "Not predicted: speed needs a GPU run (scripts/gpu_check.sh)."}
     if acc and base:
         text = (
             f"Yes: {gib(acc['peak_mib'])} against {gib(base['peak_mib'])} GiB of tensors "
@@ -52,7 +52,7 @@ def gpu_answers(trace: dict[str, Any]) -> dict[str, str]:
         )
         if gn:
             text += f"; GroupNorm at full batch: {gib(gn['peak_mib'])} GiB"
-        out["Does accumulation save memory?"] = text + "."
+        out[SAVES] = text + "."
     return out
 
 
