@@ -65,8 +65,8 @@ MUTANTS = (
     Mutant(
         "sampler takes the first process, whatever its PID",
         "gradaccum/memory.py",
-        'mine = [a for a in parse_csv(apps_text, APP_FIELDS) if a["pid"] == os.getpid()]',
-        "mine = parse_csv(apps_text, APP_FIELDS)",
+        'mine = [a for a in apps if a["pid"] == os.getpid()]',
+        "mine = apps",
         ("tests/test_memory.py",),
     ),
     Mutant(

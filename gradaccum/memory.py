@@ -16,14 +16,18 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 MIB = 2**20
-GPU_FIELDS = ("index", "memory.used", "memory.total", "utilization.gpu")
-APP_FIELDS = ("pid", "used_memory")  # nvidia-smi heads this column "used_gpu_memory [MiB]"
+# nvidia-smi lists every GPU of the machine whatever CUDA_VISIBLE_DEVICES says, so its rows are matched to
+# torch's device by UUID (or PCI bus id), never by index.
+GPU_FIELDS = ("index", "uuid", "pci.bus_id", "memory.used", "memory.total", "utilization.gpu")
+APP_FIELDS = ("pid", "gpu_uuid", "used_memory")  # nvidia-smi heads the last "used_gpu_memory [MiB]"
+TEXT_FIELDS = {"uuid", "gpu_uuid", "pci.bus_id"}  # kept as text; every other field is a number
 TIMELINE_COLUMNS = (
     "seconds",
     "process_mib",
@@ -57,8 +61,13 @@ def parse_csv(text: str, fields: tuple[str, ...]) -> list[dict[str, float | None
             continue  # the header line
         if len(values) != len(fields):
             raise ValueError(f"nvidia-smi row {values} does not have the {len(fields)} fields {fields}")
-        rows.append({f: number(v) for f, v in zip(fields, values, strict=True)})
+        rows.append({f: identifier(v) if f in TEXT_FIELDS else number(v) for f, v in zip(fields, values, strict=True)})
     return rows
+
+
+def identifier(value: str) -> str | None:
+    """An identifier as printed; a marker (`[N/A]`, empty) -> None."""
+    return None if is_marker(value) else value
 
 
 def number(text: str) -> float | None:
@@ -80,6 +89,46 @@ def markers(text: str) -> set[str]:
     for values in csv.reader(io.StringIO(text), skipinitialspace=True):
         found.update(v.strip() or "(empty)" for v in values if is_marker(v.strip()))
     return found
+
+
+@dataclass(frozen=True)
+class GpuId:
+    """Which physical GPU torch's device is, in the terms nvidia-smi prints: its UUID and PCI bus id."""
+
+    uuid: str | None
+    pci_bus_id: str | None
+
+    @classmethod
+    def of_torch_device(cls, index: int) -> GpuId:
+        """torch's device `index` (after CUDA_VISIBLE_DEVICES), from the properties CUDA reports for it."""
+        import torch
+
+        props = torch.cuda.get_device_properties(index)
+        uuid = str(getattr(props, "uuid", "")) or None
+        domain, bus, device = (getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device"))
+        pci = f"{domain:08X}:{bus:02X}:{device:02X}.0" if None not in (domain, bus, device) else None
+        return cls(uuid, pci)
+
+    def matches(self, row: dict[str, Any]) -> bool:
+        """nvidia-smi's GPU row is this GPU: the same UUID (torch prints it without nvidia-smi's `GPU-`), or,
+        where a UUID differs in form (a MIG instance's), the same PCI bus id."""
+        if self.uuid and row.get("uuid") and same_uuid(self.uuid, row["uuid"]):
+            return True
+        return bool(self.pci_bus_id and row.get("pci.bus_id")) and bus_id(self.pci_bus_id) == bus_id(row["pci.bus_id"])
+
+
+def same_uuid(a: str, b: str) -> bool:
+    def bare(u: str) -> str:
+        return u.lower().removeprefix("gpu-").removeprefix("mig-")
+
+    return bare(a) == bare(b)
+
+
+def bus_id(text: str) -> tuple[int, ...]:
+    """ "00000000:3B:00.0" and "0000:3b:00.0" alike -> (0, 59, 0, 0)."""
+    domain, bus, rest = text.strip().split(":")
+    device, function = rest.split(".")
+    return tuple(int(x, 16) for x in (domain, bus, device, function))
 
 
 def run_nvidia_smi(args: list[str], timeout: float = 10.0) -> str:
@@ -113,7 +162,7 @@ def peak_rss_mib() -> float:
 class MemorySampler:
     """Samples memory in a thread while a `with` block runs; rows and peaks are read after it ends.
 
-    device "cuda": this process's memory from nvidia-smi's process list, or the GPU-wide
+    device "cuda": this process's memory on `gpu` from nvidia-smi's process list, or that GPU's
     figure when the list does not show our PID (a container's PID namespace), or, when
     nvidia-smi gives no memory figure at all (MIG in an unprivileged pod, WDDM), none: the
     row's source says "torch" and PyTorch's reserved bytes are the only figure. "cpu": RSS.
@@ -126,8 +175,12 @@ class MemorySampler:
         interval_ms: int,
         gpu_index: int = 0,
         torch_reserved: Callable[[], float] | None = None,
+        gpu: GpuId | None = None,
     ) -> None:
-        self.device, self.interval, self.gpu_index = device, interval_ms / 1000, gpu_index
+        self.device, self.interval = device, interval_ms / 1000
+        if gpu is None and device == "cuda":
+            gpu = GpuId.of_torch_device(gpu_index)
+        self.gpu = gpu
         self.rows: list[dict[str, Any]] = []
         self.peak_snapshot: str | None = None  # plain `nvidia-smi` text at the highest reading
         self.errors: list[str] = []
@@ -181,15 +234,18 @@ class MemorySampler:
             row["source"] = "rss" if self.device == "cpu" else "torch"
             return row
         gpu_text = run_nvidia_smi(query(GPU_FIELDS))
-        gpus = [g for g in parse_csv(gpu_text, GPU_FIELDS) if g["index"] == self.gpu_index]
+        gpus = [g for g in parse_csv(gpu_text, GPU_FIELDS) if self.gpu is not None and self.gpu.matches(g)]
         gpu = gpus[0] if gpus else {}
+        if not gpus:  # no figure is better than another GPU's
+            self.markers.add(f"no row for torch's GPU ({self.gpu})")
         row.update(
             gpu_used_mib=gpu.get("memory.used"),
             gpu_total_mib=gpu.get("memory.total"),
             gpu_util_pct=gpu.get("utilization.gpu"),
         )
         apps_text = run_nvidia_smi(query(APP_FIELDS, "compute-apps"))
-        mine = [a for a in parse_csv(apps_text, APP_FIELDS) if a["pid"] == os.getpid()]
+        apps = [a for a in parse_csv(apps_text, APP_FIELDS) if gpu and a["gpu_uuid"] in (None, gpu["uuid"])]
+        mine = [a for a in apps if a["pid"] == os.getpid()]
         if mine and mine[0]["used_memory"] is not None:
             row["process_mib"], row["source"] = mine[0]["used_memory"], "process"
         elif row["gpu_used_mib"] is not None:  # PID namespace, or no per-process figure
