@@ -9,9 +9,10 @@ gives a custom op its policy.
 
 The lists are PyTorch's own, copied from aten/src/ATen/autocast_mode.h of the installed torch (the
 AT_FORALL_* macros that autocast_mode.cpp registers on the CUDA `Autocast` key). tests/test_autocast_policy.py
-holds them against that header and against the dispatcher's AutocastCUDA kernels, and `cuda_policy()`
-itself refuses to run on a torch whose CUDA registrations differ, so an upgrade that changes them fails
-loudly instead of tracing with a stale policy. An op CUDA does not list falls through, as on a GPU.
+holds them against that header and against the dispatcher's AutocastCUDA kernels. On another torch whose CUDA
+registrations differ (a GPU machine's older torch), `cuda_policy()` still traces a model that never calls a
+differing op, and refuses one that does, naming the op: no step is traced with a stale policy. An op CUDA does
+not list falls through, as on a GPU.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from gradaccum.refusal import BadInput
+
 PINNED_TORCH = "2.14.1"  # the torch these lists were read from
 CPU, CUDA = "cpu", "cuda"  # the policies a trace row names
+NATIVE_CUDA = "cuda_native"  # CUDA's own autocast on fake CUDA tensors: only where a driver is (the device check)
 
 # AT_FORALL_LOWER_PRECISION_FP: every floating input cast to the autocast dtype (float16 for the study).
 LOWER_PRECISION_FP = (
@@ -76,8 +81,9 @@ POLICIES = {
 }
 
 
-class PolicyMismatch(RuntimeError):
-    """The installed torch registers CUDA autocast kernels other than the lists here were read for."""
+class PolicyMismatch(BadInput, RuntimeError):
+    """The traced model calls an op whose CUDA autocast registration on the installed torch differs from the lists
+    here: its policy on this torch is not known, so no figure is given for it."""
 
 
 def registered(key: str) -> set[str]:
@@ -86,15 +92,40 @@ def registered(key: str) -> set[str]:
     return {n.removeprefix("aten::") for n in aten if torch._C._dispatch_has_kernel_for_dispatch_key(n, key)}
 
 
-def check_pinned() -> None:
-    """Refuse a torch whose CUDA autocast kernels are not exactly the ops listed here."""
+@dataclass(frozen=True)
+class Difference:
+    """The installed torch's CUDA autocast kernels against the lists here: ops it registers that they lack (`new`),
+    and ops they list that it does not register (`gone`: torch 2.11 has no `rms_norm`, added to CUDA's list in 2.12)."""
+
+    torch: str
+    new: tuple[str, ...]
+    gone: tuple[str, ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.new or self.gone)
+
+    def __str__(self) -> str:
+        parts = [f"{what} {', '.join(ops)}" for what, ops in (("lacks", self.gone), ("adds", self.new)) if ops]
+        return f"torch {self.torch}'s CUDA autocast lists differ from torch {PINNED_TORCH}'s: it {'; '.join(parts)}"
+
+
+def difference() -> Difference:
     cuda = registered("AutocastCUDA")
-    if cuda != set(POLICIES):
+    return Difference(torch.__version__, tuple(sorted(cuda - set(POLICIES))), tuple(sorted(set(POLICIES) - cuda)))
+
+
+def _refuse_kernel(name: str, diff: Difference) -> Any:
+    """An op whose CUDA policy differs on this torch: a trace that reaches it stops, naming it, rather than cast
+    it by a policy that this torch's GPU would not follow."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
         raise PolicyMismatch(
-            f"torch {torch.__version__} registers CUDA autocast kernels other than gradaccum/autocast_policy.py's "
-            f"lists (read from torch {PINNED_TORCH}'s aten/src/ATen/autocast_mode.h): new "
-            f"{sorted(cuda - set(POLICIES))}, gone {sorted(set(POLICIES) - cuda)}; update the lists from that header"
+            f"the traced model calls aten::{name}, and {diff}; its cast on this torch's GPU is unknown, so this "
+            f"trace cannot stand for it: trace on torch {PINNED_TORCH} (the lists' own), or update the lists from "
+            "this torch's aten/src/ATen/autocast_mode.h"
         )
+
+    return kernel
 
 
 def _eligible(value: Any) -> bool:
@@ -173,22 +204,27 @@ def _overload(name: str) -> torch._ops.OpOverload:
 
 
 @contextlib.contextmanager
-def cuda_policy() -> Iterator[None]:
+def cuda_policy() -> Iterator[Difference]:
     """Inside: CPU autocast casts as CUDA autocast does, op by op. Outside again: the CPU's own policy.
 
     Every op CUDA lists gets a kernel casting as CUDA's; every op only the CPU lists (cat, stack,
-    cross_entropy_loss, the 3-d pools, ...) falls through to its decomposition, as it does on a GPU.
+    cross_entropy_loss, the 3-d pools, ...) falls through to its decomposition, as it does on a GPU. On a torch
+    whose CUDA lists differ from these, each differing op refuses when called, so a model that never calls one
+    traces as before; what it yields names the difference, for the trace's record.
     """
-    check_pinned()
+    diff = difference()
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - confined to this context
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
             for name, policy in POLICIES.items():
-                if name not in CUDA_ONLY:
+                if name not in CUDA_ONLY and name not in diff.gone:
                     lib.impl(name, _kernel(name, policy), "AutocastCPU")
-            for name in registered("AutocastCPU") - set(POLICIES):
+            for name in registered("AutocastCPU") - set(POLICIES) - set(diff.new):
                 lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
-        yield
+            for name in (*diff.gone, *diff.new):
+                with contextlib.suppress(AttributeError, RuntimeError):  # an op this torch does not have at all
+                    lib.impl(name, _refuse_kernel(name, diff), "AutocastCPU")
+        yield diff
     finally:
         lib._destroy()  # the CPU's own kernels are back: the CPU-scale trace is checked against them

@@ -20,13 +20,20 @@ class LiveCurves:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.live: Any = None  # made at the first epoch: a variant that does not run never imports DVC (1 s)
+        self.live: Any = None  # made at the first epoch: a variant that does not run never imports DVC (1 s);
+        # False where DVCLive is not installed
 
     def __call__(self, epoch: dict[str, Any], steps: list[dict[str, Any]]) -> None:
         if self.live is None:
-            from dvclive import Live  # imports DVC itself: only the process that logs pays for it
-
+            try:
+                from dvclive import Live  # imports DVC itself: only the process that logs pays for it
+            except ImportError:  # a GPU host without DVC (scripts/device_check.sh): the stage's own record stays
+                print("note: dvclive is not installed: no live curves; epochs.tsv and steps.tsv hold them", flush=True)
+                self.live = False
+                return
             self.live = Live(str(self.directory), report=None, save_dvc_exp=False, dvcyaml=None)
+        if self.live is False:
+            return
         for row in steps:
             self.live.step = row["step"]
             self.live.log_metric("train_loss", row["train_loss"])
@@ -36,7 +43,7 @@ class LiveCurves:
         self.live.next_step()  # metrics.json now says how far the run is
 
     def close(self) -> None:
-        if self.live is not None:
+        if self.live:
             self.live.end()
 
 

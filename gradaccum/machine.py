@@ -58,6 +58,53 @@ def driver_version() -> str | None:
         return None
 
 
+# The oldest Linux driver each CUDA major release runs on (NVIDIA's CUDA Toolkit release notes, "CUDA Minor
+# Version Compatibility"): a driver older than this leaves torch.cuda.is_available() False.
+MIN_DRIVER = {"13": "580", "12": "525", "11": "450"}
+
+
+def listed_gpus() -> list[dict[str, str | None]]:
+    """The GPUs nvidia-smi lists (name, driver), whether or not torch can use them; [] without nvidia-smi or a
+    driver it can talk to."""
+    from gradaccum.memory import parse_csv, query, run_nvidia_smi
+
+    fields = ("name", "driver_version")
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        return parse_csv(run_nvidia_smi(query(fields), timeout=20), fields)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return []
+
+
+def unusable_gpu() -> str | None:
+    """Why a GPU that nvidia-smi lists is out of torch's reach, with the fix, in one line; None when nvidia-smi
+    lists none. Called where torch.cuda.is_available() is False, so the CPU scale does not run in silence."""
+    import torch
+
+    gpus = listed_gpus()
+    if not gpus:
+        return None
+    name, driver = gpus[0]["name"] or "a GPU", gpus[0]["driver_version"]
+    cuda = torch.version.cuda
+    seen = f"nvidia-smi lists {name} (driver {driver or 'unknown'}) but torch {torch.__version__} cannot use it: "
+    if cuda is None:
+        return seen + "this torch is a CPU build; install one built for CUDA (pytorch.org/get-started) or set scale=cpu"
+    need = MIN_DRIVER.get(cuda.split(".")[0])
+    if need and driver and int(driver.split(".")[0]) < int(need):
+        return (
+            seen + f"its wheels are built for CUDA {cuda}, which needs driver {need} or newer. Install a newer NVIDIA "
+            "driver, or a torch built for an older CUDA (pip install torch==VERSION --index-url "
+            "https://download.pytorch.org/whl/cu126, for example; see pytorch.org/get-started/previous-versions), "
+            "or set scale=cpu to train the CPU scale here"
+        )
+    return (
+        seen + f"its wheels are built for CUDA {cuda}, which the driver supports, so the GPU's device files are "
+        "likely not visible to this process (a container started without --gpus all, or CUDA_VISIBLE_DEVICES "
+        "naming no GPU); fix that, or set scale=cpu to train the CPU scale here"
+    )
+
+
 def describe(cuda: bool) -> dict[str, Any]:
     """Facts that decide results, and nothing that changes between two runs on one machine."""
     import torch
@@ -83,3 +130,12 @@ def describe(cuda: bool) -> dict[str, Any]:
             "count": torch.cuda.device_count(),
         }
     return info
+
+
+if __name__ == "__main__":  # the container's entrypoint: said before DVC starts (the hardware stage refuses it)
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available() and (why := unusable_gpu()):
+        print(f"note: {why}", file=sys.stderr, flush=True)

@@ -27,7 +27,7 @@ MIB = 2**20
 # torch's device by UUID (or PCI bus id), never by index.
 GPU_FIELDS = ("index", "uuid", "pci.bus_id", "memory.used", "memory.total", "utilization.gpu")
 APP_FIELDS = ("pid", "gpu_uuid", "used_memory")  # nvidia-smi heads the last "used_gpu_memory [MiB]"
-TEXT_FIELDS = {"uuid", "gpu_uuid", "pci.bus_id"}  # kept as text; every other field is a number
+TEXT_FIELDS = {"uuid", "gpu_uuid", "pci.bus_id", "name", "driver_version"}  # kept as text; the rest are numbers
 TIMELINE_COLUMNS = (
     "seconds",
     "process_mib",
@@ -44,21 +44,21 @@ def query(fields: tuple[str, ...], kind: str = "gpu") -> list[str]:
     return [f"--query-{kind}={','.join(fields)}", "--format=csv,nounits"]
 
 
-def parse_csv(text: str, fields: tuple[str, ...]) -> list[dict[str, float | None]]:
+def parse_csv(text: str, fields: tuple[str, ...]) -> list[dict[str, Any]]:
     """Rows of `nvidia-smi --query-... --format=csv[,nounits][,noheader]`, keyed by the fields asked for.
 
     Keyed by position, because nvidia-smi's header names differ from the query names. Units
     ("7242 MiB", "97 %") are dropped. Anything that is not a number (`[N/A]`, `[Not Supported]`,
-    `[Insufficient Permissions]`, an empty field, ...) becomes None, never a made-up 0; a header and
-    no rows (no process on the GPU) gives [].
+    `[Insufficient Permissions]`, an empty field, ...) becomes None, never a made-up 0; identifiers and
+    names (TEXT_FIELDS) stay text. A header and no rows (no process on the GPU) gives [].
     """
     rows = []
     for fields_text in csv.reader(io.StringIO(text), skipinitialspace=True):
         values = [v.strip() for v in fields_text]
         if not any(values):
             continue
-        if not rows and number(values[0]) is None and not is_marker(values[0]):
-            continue  # the header line
+        if not rows and values[0].split(" [")[0] == fields[0]:
+            continue  # the header line: its first name is the one asked for (`index`, `pid`, `name`)
         if len(values) != len(fields):
             raise ValueError(f"nvidia-smi row {values} does not have the {len(fields)} fields {fields}")
         rows.append({f: identifier(v) if f in TEXT_FIELDS else number(v) for f, v in zip(fields, values, strict=True)})

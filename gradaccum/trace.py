@@ -86,7 +86,7 @@ def steady_optimizer(model: nn.Module, accum: int, policy: str = autocast_policy
     Under CUDA's rules, AdamW's foreach implementation, PyTorch's default for CUDA parameters: its step holds
     whole lists of parameter-sized temporaries, where the CPU's default (which fake CPU tensors would get)
     holds one tensor's at a time."""
-    opt = make_optimizer(model, lr=1e-3, foreach=True if policy == autocast_policy.CUDA else None)
+    opt = make_optimizer(model, lr=1e-3, foreach=True if policy == autocast_policy.CUDA else None)  # native: CUDA's
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -95,15 +95,22 @@ def steady_optimizer(model: nn.Module, accum: int, policy: str = autocast_policy
     return opt
 
 
-def step(model: nn.Module, opt: torch.optim.Optimizer, micro: int, num_classes: int, dtype: torch.dtype | None) -> None:
+def step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    micro: int,
+    num_classes: int,
+    dtype: torch.dtype | None,
+    device: str = "cpu",
+) -> None:
     """One micro-batch's forward and backward as the loop runs it, then the optimizer step that ends a window.
 
     The loop's loss weighting and GradScaler hold no tensors of any size (the scaler unscales in place),
     so the peak is this one's.
     """
-    images = torch.empty(micro, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
-    labels = torch.empty(micro, dtype=torch.long).random_(num_classes)
-    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+    images = torch.empty(micro, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8, device=device)
+    labels = torch.empty(micro, dtype=torch.long, device=device).random_(num_classes)
+    with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
         loss = F.cross_entropy(model(normalize(images)), labels)
     loss.backward()
     del loss, images, labels
@@ -119,8 +126,8 @@ def trace_step(
     dtype: torch.dtype | None,
     data: int = 0,
     policy: str = autocast_policy.CPU,
-) -> dict[str, float]:
-    """MiB live at the peak of a steady-state step on fake tensors, in total and by kind.
+) -> dict[str, Any]:
+    """MiB live at the peak of a steady-state step on fake tensors, in total and by kind, and whose rules cast it.
 
     `data` uint8 images stay resident, as training keeps its dataset on the device. `policy` is whose
     autocast rules cast each op ("cuda" or "cpu"): a GPU figure needs CUDA's, and with them comes what
@@ -128,20 +135,22 @@ def trace_step(
     and reserved peaks and the nvidia-smi figure they predict.
     """
     rules = autocast_policy.cuda_policy() if policy == autocast_policy.CUDA else contextlib.nullcontext()
-    with rules, FakeTensorMode():
+    device = "cuda" if policy == autocast_policy.NATIVE_CUDA else "cpu"  # fake CUDA tensors need a driver
+    with rules as difference, FakeTensorMode(), torch.device(device):  # made there: a fake module cannot move
         model = build()
         opt = steady_optimizer(model, accum, policy)
-        dataset = torch.empty(data, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
+        dataset = torch.empty(data, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8, device=device)
         tracker = PeakTracker()
         tracker.track_external(model, opt, dataset)
         with tracker:
             start = len(tracker.events)  # what was there before the step: weights, optimizer state, data
-            step(model, opt, micro, num_classes, dtype)
+            step(model, opt, micro, num_classes, dtype, device)
             events = list(tracker.events)
         (peak,) = tracker.get_tracker_snapshot("peak").values()  # one device
     kinds = {ours: peak.get(theirs, 0) / MIB for theirs, ours in KINDS.items()}
-    row = {"peak_mib": sum(kinds.values()), **{f"{k}_mib": v for k, v in kinds.items()}}
-    if policy == autocast_policy.CUDA:
+    row: dict[str, Any] = {"peak_mib": sum(kinds.values()), **{f"{k}_mib": v for k, v in kinds.items()}}
+    row["autocast_policy"] = policy_name(policy, dtype, difference)
+    if policy in (autocast_policy.CUDA, autocast_policy.NATIVE_CUDA):
         row |= allocator.predict_gpu(events[:start], events[start:])
     return row
 
@@ -218,10 +227,17 @@ def with_fast_norm(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 
 
 def trace_variant(
-    p: Params, variant: str, scale: str, allocated: bool = False, accum: int | None = None, fast_norm: bool = False
+    p: Params,
+    variant: str,
+    scale: str,
+    allocated: bool = False,
+    accum: int | None = None,
+    fast_norm: bool = False,
+    native: bool = False,
 ) -> dict[str, Any]:
     """The traced peak of one variant at one scale, with its breakdown; `allocated` adds the real CPU run's;
-    `accum` traces it at that many micro-batches instead of its own; `fast_norm` with timm's fast norm."""
+    `accum` traces it at that many micro-batches instead of its own; `fast_norm` with timm's fast norm; `native`
+    (the study scale, on a machine with a CUDA driver) under CUDA's own autocast instead of its emulation."""
     s, device_type = p.scale_settings(scale), DEVICES[scale]
     row: dict[str, Any] = {"variant": variant, "scale": scale}
     if accum is None and p.variants[variant].accum == "accum" and p.accum == "auto":  # decided on the device
@@ -233,19 +249,25 @@ def trace_variant(
     build = with_fast_norm(build) if fast_norm else build
     args = (build, micro, accum, p.model.num_classes, dtype, s.train_samples + s.test_samples)
     row |= {"accum": accum, "micro_batch": micro, "amp": str(dtype).replace("torch.", "") if dtype else "float32"}
-    row |= {"autocast_policy": policy_name(device_type, dtype)} | ({"fast_norm": True} if fast_norm else {})
-    row |= trace_step(*args, policy=device_type)
+    row |= {"fast_norm": True} if fast_norm else {}
+    row |= trace_step(*args, policy=autocast_policy.NATIVE_CUDA if native else device_type)
     if allocated:
         row["allocated_peak_mib"] = allocated_peak_mib(*args)
     return row
 
 
-def policy_name(device_type: str, dtype: torch.dtype | None) -> str:
-    """Whose autocast rules a trace followed, as its row records it."""
+def policy_name(
+    device_type: str, dtype: torch.dtype | None, difference: autocast_policy.Difference | None = None
+) -> str:
+    """Whose autocast rules a trace followed, as its row records it; on a torch whose CUDA lists differ from the
+    pinned ones (none of the differing ops called, or the trace would have stopped), the difference too."""
     if dtype is None:
         return "none (float32, no autocast)"
+    if device_type == autocast_policy.NATIVE_CUDA:
+        return f"CUDA's own (torch {torch.__version__}, fake CUDA tensors on this machine's driver)"
     if device_type == autocast_policy.CUDA:
-        return f"CUDA's (torch {autocast_policy.PINNED_TORCH} lists, emulated on the CPU)"
+        emulated = f"CUDA's (torch {autocast_policy.PINNED_TORCH} lists, emulated on the CPU)"
+        return emulated + (f"; {difference}, and this step calls none of those ops" if difference else "")
     return "the CPU's"
 
 
@@ -256,7 +278,7 @@ def peak_line(
     num_classes: int,
     data: int,
     policy: str = autocast_policy.CPU,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """The traced peak as a line in the micro-batch (the planner's `fit` format), from two sizes; under
     CUDA's policy the predicted nvidia-smi figure (tensors, the allocator's cache, the context) instead.
 
@@ -265,9 +287,11 @@ def peak_line(
     peak between them. Traced with a window's gradients held (accum > 1), the larger of the two steady
     states, so a suggested accum never falls short.
     """
-    low, high = (figure(trace_step(build, m, 2, num_classes, dtype, data, policy)) for m in micros)
+    rows = [trace_step(build, m, 2, num_classes, dtype, data, policy) for m in micros]
+    low, high = (figure(r) for r in rows)
     per_sample = (high - low) / (micros[1] - micros[0])
-    return {"fixed_mib": low - per_sample * micros[0], "per_sample_mib": per_sample, "r2": 1.0}
+    line = {"fixed_mib": low - per_sample * micros[0], "per_sample_mib": per_sample, "r2": 1.0}
+    return line | {"autocast_policy": rows[-1]["autocast_policy"]}
 
 
 def figure(row: dict[str, float]) -> float:
@@ -276,23 +300,22 @@ def figure(row: dict[str, float]) -> float:
     return row.get("gpu_nvidia_smi_mib", row["peak_mib"])
 
 
-def scale_line(p: Params, scale: str, build: Callable[[], nn.Module], dtype: torch.dtype | None) -> dict[str, float]:
+def scale_line(p: Params, scale: str, build: Callable[[], nn.Module], dtype: torch.dtype | None) -> dict[str, Any]:
     """`peak_line` at `scale`, between its smallest and largest sweep sizes, its data resident."""
     s = p.scale_settings(scale)
     micros = (s.sweep_micro_batches[0], s.sweep_micro_batches[-1])
     data = s.train_samples + s.test_samples
-    line = peak_line(build, dtype, micros, p.model.num_classes, data, DEVICES[scale])
-    return line | {"autocast_policy": policy_name(DEVICES[scale], dtype)}
+    return peak_line(build, dtype, micros, p.model.num_classes, data, DEVICES[scale])
 
 
-def variant_line(p: Params, variant: str, scale: str) -> dict[str, float]:
+def variant_line(p: Params, variant: str, scale: str) -> dict[str, Any]:
     """`scale_line` of the variant's model and precision (gradaccum.cards)."""
     device = torch.device(DEVICES[scale])
     dtype = amp_dtype(device, p.train, p.variants[variant].precision)
     return scale_line(p, scale, variant_builder(p, variant, device.type), dtype)
 
 
-def lever_line(p: Params, scale: str, checkpointing: bool) -> dict[str, float]:
+def lever_line(p: Params, scale: str, checkpointing: bool) -> dict[str, Any]:
     """`scale_line` of the GroupNorm model at the default precision: the planner's two levers, as the sweep's."""
     device = torch.device(DEVICES[scale])
     build = builder(p, device.type, "group", checkpointing=checkpointing)

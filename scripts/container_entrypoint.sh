@@ -10,5 +10,7 @@ for path in /work /work/.dvc /work/.dvc/tmp /work/dvc.lock; do
 done
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   echo "note: no GPU in this container (no nvidia-smi): the CPU scale runs; on a GPU host add --gpus all" >&2
+elif [ -f gradaccum/machine.py ]; then
+  python -m gradaccum.machine || true  # a GPU torch cannot use (an old driver): the line that says why and the fix
 fi
 exec "$@"

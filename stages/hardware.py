@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from gradaccum import mnist, models, params
-from gradaccum.machine import describe
+from gradaccum.machine import describe, unusable_gpu
 from gradaccum.outputs import write_json
 from gradaccum.refusal import BadInput, refuse
 from stages.paths import HARDWARE
@@ -19,6 +19,8 @@ def main() -> None:
     p = params.load()
     models.check_input(p.model)  # first in every run: a model that cannot take the images, in seconds
     cuda = torch.cuda.is_available()
+    if not cuda and p.scale != "cpu" and (why := unusable_gpu()):  # not the CPU scale in silence on a GPU host
+        raise BadInput(why)
     info = describe(cuda)
     info["scale"] = params.resolve_scale(p, cuda)
     params.check_distributed(p, info)  # here, before any long stage: more processes than GPUs, SyncBatchNorm on a CPU

@@ -48,13 +48,43 @@ def test_the_lists_are_the_dispatchers_cuda_kernels() -> None:
     """The ops this torch registers on AutocastCUDA are exactly the listed ones (the check cuda_policy runs)."""
     assert torch.__version__.split("+")[0] == autocast_policy.PINNED_TORCH
     assert autocast_policy.registered("AutocastCUDA") == set(autocast_policy.POLICIES)
-    autocast_policy.check_pinned()
+    assert not autocast_policy.difference()
 
 
-def test_a_torch_with_other_cuda_kernels_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def as_torch_2_11(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This torch's dispatcher answering as torch 2.11's does: no AutocastCUDA kernel for rms_norm."""
+    real = autocast_policy.registered
+    monkeypatch.setattr(
+        autocast_policy, "registered", lambda key: real(key) - ({"rms_norm"} if key == "AutocastCUDA" else set())
+    )
+
+
+def test_a_torch_without_one_listed_op_traces_a_model_that_never_calls_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    as_torch_2_11(monkeypatch)
+    assert autocast_policy.difference().gone == ("rms_norm",)
+    p = params.set_values(params.read(ROOT / "params.yaml"), ["scales.study.batch=64"])
+    row = trace.trace_variant(p, "accumulation", "study")
+    assert row["peak_mib"] > 0 and "gpu_nvidia_smi_mib" in row
+    assert row["autocast_policy"] == (
+        f"CUDA's (torch 2.14.1 lists, emulated on the CPU); torch {torch.__version__}'s CUDA autocast lists differ "
+        "from torch 2.14.1's: it lacks rms_norm, and this step calls none of those ops"
+    )
+
+
+def test_a_model_calling_a_differing_op_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    as_torch_2_11(monkeypatch)
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8), nn.RMSNorm(8))
+
+    with pytest.raises(autocast_policy.PolicyMismatch, match=r"calls aten::rms_norm, and torch .* lacks rms_norm"):
+        trace.trace_step(build, 4, 1, 8, torch.float16, policy=autocast_policy.CUDA)
+    assert trace.trace_step(build, 4, 1, 8, torch.float16)["peak_mib"] > 0  # the CPU's rules: no question arises
     monkeypatch.setattr(autocast_policy, "POLICIES", {k: v for k, v in autocast_policy.POLICIES.items() if k != "exp"})
-    with pytest.raises(autocast_policy.PolicyMismatch, match=r"new \['exp'\]"):
-        autocast_policy.check_pinned()
+    with autocast_policy.cuda_policy() as diff, torch.autocast("cpu", dtype=torch.float16):
+        assert diff.new == ("exp",)
+        with pytest.raises(autocast_policy.PolicyMismatch, match=r"calls aten::exp, and .* adds exp"):
+            torch.randn(3).exp()
+    assert torch.randn(3).exp().dtype == torch.float32  # outside, nothing is left registered
 
 
 def run_ops() -> tuple[torch.dtype, ...]:
@@ -188,7 +218,7 @@ def test_a_groupnorm_model_traced_under_cudas_policy_counts_float32_where_cuda_s
 def test_the_study_traces_record_cudas_policy_and_the_cpu_scale_its_own() -> None:
     p = params.set_values(params.read(ROOT / "params.yaml"), ["scales.study.batch=64", "train.amp_cpu=bfloat16"])
     study, cpu = (trace.trace_variant(p, "accumulation", scale) for scale in ("study", "cpu"))
-    assert study["autocast_policy"] == "CUDA's (torch 2.14.1 lists, emulated on the CPU)"
+    assert study["autocast_policy"] == "CUDA's (torch 2.14.1 lists, emulated on the CPU)"  # no difference named
     assert cpu["autocast_policy"] == "the CPU's" and cpu["amp"] == "bfloat16"
     float32 = trace.trace_variant(p, "groupnorm_precision", "study")
     assert float32["autocast_policy"] == "none (float32, no autocast)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -391,3 +392,18 @@ def test_dvclive_follows_the_run_epoch_by_epoch(tmp_path: Path) -> None:
     assert [int(line.split("\t")[-2]) for line in tsv[1:]] == [s["step"] for s in steps]
     assert [float(line.split("\t")[-1]) for line in tsv[1:]] == pytest.approx([s["train_loss"] for s in steps])
     assert (tmp_path / "live/plots/metrics/per_epoch/test_accuracy.tsv").is_file()
+
+
+def test_without_dvclive_the_run_goes_on_and_says_so_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPU host without DVC (scripts/device_check.sh): no live curves, one note, the stage's own records kept."""
+    from gradaccum.live import EPOCH_METRICS, LiveCurves
+
+    monkeypatch.setitem(sys.modules, "dvclive", None)  # import dvclive -> ImportError
+    live = LiveCurves(tmp_path / "live")
+    for epoch in (1, 2):
+        live({"epoch": epoch, **dict.fromkeys(EPOCH_METRICS, 0.0)}, [{"step": epoch, "train_loss": 1.0}])
+    live.close()
+    assert capsys.readouterr().out.count("note: dvclive is not installed") == 1
+    assert not (tmp_path / "live").exists()
