@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # Stage commands call `python`: the venv's, whether or not it is activated.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: repro test test-e2e bench clean-venv
+.PHONY: repro test test-e2e bench device-bundle clean-venv
 
 $(BIN)/.installed: requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test-e2e: $(BIN)/.installed
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.run
 	$(BIN)/python -m benchmarks.repro
+
+# The folder a lent GPU machine's call carries (docs/device.md): wheels it lacks, Fashion-MNIST, the prediction.
+device-bundle: $(BIN)/.installed
+	$(BIN)/python -m gradaccum.device bundle
 
 clean-venv:
 	rm -rf $(VENV)
