@@ -143,13 +143,15 @@ def build_bundle(dest: Path, python: str, data: Path, params_file: Path, sets: l
 
 def predictions(p: Any) -> dict[str, Any]:
     """Every variant's study-scale trace (CUDA's rules emulated, the allocator's model): what the GPU is held to."""
+    import torch
+
     from gradaccum import allocator, trace
 
     start = time.perf_counter()
     rows = [trace.trace_variant(p, v, "study") for v in p.variants]
     return {
         "rows": rows,
-        "torch": trace.torch.__version__,
+        "torch": torch.__version__,
         "gpu_assumptions": allocator.GPU_ASSUMPTIONS,
         "made": f"on {platform.node()} ({platform.machine()}), before the GPU run",
         "compute_seconds": round(time.perf_counter() - start, 1),
@@ -164,6 +166,7 @@ def preflight(out: Path) -> dict[str, Any]:
     import torch
 
     facts: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    facts["bundle"] = read_json(Path(os.environ.get("DEVICE_BUNDLE", BUNDLE)) / "manifest.json")  # data: Fashion-MNIST
     facts["packages"] = {n: _version(version, n) for n in ("timm", "pandas", "seaborn", "pyyaml", "psutil", *BUNDLED)}
     facts["cuda"] = {"available": torch.cuda.is_available(), "built_for": torch.version.cuda}
     facts["nvidia_smi_L"] = _command(["nvidia-smi", "-L"])
@@ -186,9 +189,12 @@ def preflight(out: Path) -> dict[str, Any]:
 
 
 def _version(version: Callable[[str], str], name: str) -> str | None:
+    """The installed (or bundled: its wheels' dist-info come along) version; None where the package is absent."""
+    from importlib.metadata import PackageNotFoundError
+
     try:
         return version(name)
-    except Exception:  # PackageNotFoundError; the bundle's packages have no installed metadata, only their modules
+    except PackageNotFoundError:
         return None
 
 
@@ -289,10 +295,12 @@ def device_trace(out: Path, variants: list[str] | None = None) -> dict[str, Any]
     """Each variant's study-scale step traced twice on the device: on fake CPU tensors under the emulated CUDA
     policy (the device's torch, its lists' difference named), and on fake CUDA tensors under CUDA's own autocast.
     Written after every trace; a failure is one line in its place, and the next trace runs."""
+    import torch
+
     from gradaccum import params, trace
 
     p = params.load()
-    result: dict[str, Any] = {"torch": trace.torch.__version__, "rows": []}
+    result: dict[str, Any] = {"torch": torch.__version__, "rows": []}
     for v in variants or list(p.variants):
         for native in (False, True):
             row: dict[str, Any] = {"variant": v, "scale": "study", "native": native}

@@ -50,7 +50,7 @@ part() {
   "$python" -m gradaccum.device status "$out" "$name" "$rc" "$(( $(date +%s) - t0 ))" "$work/$name.log"
 }
 
-# 1. Preflight (30 s): versions, nvidia-smi -L, imports, one float16 step with GradScaler, its memory snapshot.
+# 1. Preflight (at most 30 s): versions, nvidia-smi -L, imports, one float16 step with GradScaler, its memory snapshot.
 preflight_part() { "$python" -m gradaccum.device preflight "$out"; }
 
 # 2. The memory check: every variant at the study scale, one epoch each (two optimizer steps of 32768), in its own
@@ -66,7 +66,8 @@ memory_part() {
     "$python" -m stages.train "$v" || { echo "train@$v failed"; failed=1; }
     [ ! -f "reports/variants/$v/metrics.json" ] || "$python" -m gradaccum.device pack "$out" memory "$v"
   done
-  "$python" -m gradaccum.report.traced reports | tee "$out/predicted_vs_measured.txt"
+  { echo "Data: Fashion-MNIST standing in for MNIST (same shapes: memory depends on them alone)."
+    "$python" -m gradaccum.report.traced reports; } | tee "$out/predicted_vs_measured.txt"
   return $failed
 }
 
@@ -94,9 +95,9 @@ training_part() {
 }
 
 export -f left preflight_part memory_part trace_part training_part
-export python bundle out start budget SETS="${sets[*]}"
+export python bundle out start budget SETS="${sets[*]}" DEVICE_BUNDLE="$bundle"
 echo "== device check: $(date -u +%FT%TZ), bundle: $(tr -d '\n ' < "$bundle/manifest.json" | head -c 400)"
-part preflight 60 preflight_part
+part preflight 30 preflight_part
 part memory 300 memory_part
 part trace 120 trace_part
 part training 600 training_part

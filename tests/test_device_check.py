@@ -105,7 +105,9 @@ def test_the_device_check_passes_its_twin(twin: dict[str, str]) -> None:
         assert {"epochs.tsv", "steps.tsv", "memory.csv", "nvidia-smi.txt"} <= set(packed), v
     assert memory["provenance.json"]["dataset"] == "fashion_mnist" and memory["provenance.json"]["kind"] == "local"
     assert {r["variant"] for r in memory["trace.json"]["rows"]} == set(variants)  # the carried prediction
-    assert "No GPU ran the study here" in (out / "predicted_vs_measured.txt").read_text()
+    compared = (out / "predicted_vs_measured.txt").read_text()
+    assert compared.startswith("Data: Fashion-MNIST standing in for MNIST") and "No GPU ran the study here" in compared
+    assert preflight["bundle"]["data"]["stands_in_for"] == "MNIST (same shapes)"
     traced = json.loads((out / "device_trace.json").read_text())["rows"]
     emulated = [r for r in traced if not r["native"]]
     assert len(emulated) == len(variants) and all(r["peak_mib"] > 0 for r in emulated)
