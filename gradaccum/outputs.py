@@ -11,6 +11,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from gradaccum.refusal import BadInput
+
 
 @contextlib.contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
@@ -51,6 +53,23 @@ def write_json(path: Path | str, data: Any) -> None:
 
 def read_json(path: Path | str) -> Any:
     return json.loads(Path(path).read_text())
+
+
+class MissingInput(BadInput, FileNotFoundError):
+    """A stage's input that is not there or cannot be read: another stage makes it (after a refused `dvc repro`,
+    DVC has already removed that stage's outputs)."""
+
+
+def read_input(path: Path | str, made_by: str) -> Any:
+    """A stage's JSON input; missing or unreadable, one line naming the file and the command that makes it."""
+    try:
+        return read_json(path)
+    except FileNotFoundError:
+        raise MissingInput(f"{path} is missing: `dvc repro {made_by}` makes it") from None
+    except (OSError, ValueError) as err:  # JSONDecodeError is a ValueError
+        raise MissingInput(
+            f"{path} cannot be read ({type(err).__name__}: {err}): `dvc repro -f {made_by}` makes it again"
+        ) from None
 
 
 def write_table(

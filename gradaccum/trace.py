@@ -38,7 +38,8 @@ from gradaccum.accumulation import micro_batch_size
 from gradaccum.loop import amp_dtype, make_optimizer, normalize
 from gradaccum.memory import MIB
 from gradaccum.models import IMAGE_SIZE, build_model
-from gradaccum.params import Params, variant_accum_steps
+from gradaccum.params import Params, set_values, variant_accum_steps
+from gradaccum.tutorial import CLAIMS
 
 KINDS = {  # MemTracker's names for what holds memory -> ours
     "Parameter": "parameters",
@@ -322,6 +323,16 @@ def lever_line(p: Params, scale: str, checkpointing: bool) -> dict[str, Any]:
     return scale_line(p, scale, build, amp_dtype(device, p.train))
 
 
+TUTORIAL_VARIANTS = ("baseline", "tutorial_accumulation")  # the variants whose GPU figures the tutorial gave
+
+
+def tutorial_settings(p: Params) -> Params:
+    """params at the tutorial's own settings, whatever params.yaml says: its batch and its accum (4 x 8192), so its
+    claims are held against the step it measured, not against this run's (after `dvc exp run -S accum=8`)."""
+    batch, accum = CLAIMS["batch"], CLAIMS["accum"]
+    return set_values(p.model_dump(), [f"scales.study.batch={batch}", f"accum={accum}"])
+
+
 def _job(p: Params, job: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
     """One unit of `trace_all`'s work, in a worker process (one thread: two workers share two cores)."""
     torch.set_num_threads(1)
@@ -331,6 +342,8 @@ def _job(p: Params, job: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
         return job, trace_variant(p, variant, scale, allocated=scale == "cpu")
     if kind == "fast_norm":
         return job, trace_variant(p, args[0], "study", fast_norm=True)
+    if kind == "tutorial":
+        return job, trace_variant(tutorial_settings(p), args[0], "study")
     return job, lever_line(p, "study", checkpointing=args[0] == "checkpointing")
 
 
@@ -341,6 +354,7 @@ def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -
     jobs += [("line", lever) for lever in ("plain", "checkpointing")]
     fast = [v for v in p.variants if (p.variants[v].norm, p.variants[v].swap) == ("group", "keep_act")][:1]
     jobs += [("fast_norm", v) for v in fast if v == "accumulation"]  # the lever against GroupNorm's float32
+    jobs += [("tutorial", v) for v in TUTORIAL_VARIANTS if v in p.variants]  # its claims, at its own settings
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of a process with threads
     start = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
@@ -353,6 +367,7 @@ def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -
         "rows": rows,
         "study_lines": {lever: done[("line", lever)] for lever in ("plain", "checkpointing")},
         "fast_norm": [done[job] for job in jobs if job[0] == "fast_norm"],  # timm's fast norm, one variant
+        "tutorial_settings": [done[job] for job in jobs if job[0] == "tutorial"],  # at 4 x 8192, whatever accum is
         "torch": torch.__version__,
         "gpu_assumptions": allocator.GPU_ASSUMPTIONS,  # what the study scale's nvidia-smi figures assume
         "compute_seconds": seconds,

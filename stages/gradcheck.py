@@ -8,15 +8,15 @@ import torch
 
 from gradaccum import gradcheck, mnist, models, params
 from gradaccum.machine import process_seconds
-from gradaccum.outputs import read_json, write_json, write_table
+from gradaccum.outputs import write_json, write_table
 from gradaccum.refusal import BadInput, refuse
-from stages.paths import DATASET, GRADCHECK, GRADCHECK_TSV, HARDWARE
+from stages.paths import DATASET, GRADCHECK, GRADCHECK_TSV, HARDWARE, read
 
 
 def main() -> None:
     p = params.load()
     models.check_input(p.model)  # when run alone: a model that cannot take the images, in one line
-    device = torch.device(read_json(HARDWARE)["device"])
+    device = torch.device(read(HARDWARE)["device"])
     data = mnist.load_tensors(DATASET, device, gradcheck.SAMPLES, 0)
     start = time.perf_counter()
     result = gradcheck.gradient_check(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+from gradaccum.outputs import read_input
 
 HARDWARE = Path("data/hardware.json")
 RAW_DIR = Path("data/raw")  # verified downloads, kept (git-ignored) so a re-run needs no network
@@ -28,3 +31,23 @@ def live_dir(variant: str) -> Path:
 
 def weights_path(variant: str) -> Path:
     return Path("data/models") / f"{variant}.pt"
+
+# The stage that makes each file another stage reads: what a missing input's one line tells the user to run.
+MADE_BY = {
+    HARDWARE: "hardware",
+    PROVENANCE: "download",
+    SWEEP_PLAN: "sweep",
+    GRADCHECK: "gradcheck",
+    SPEED: "speed",
+    TRACE: "trace",
+}
+
+
+def read(path: Path) -> Any:
+    """An input of a stage, or one line naming it and `dvc repro <the stage that makes it>`."""
+    return read_input(path, MADE_BY[path])
+
+
+def read_if_there(path: Path) -> Any:
+    """An input a stage can do without (the planner's result unless accum is auto; the report's optional parts)."""
+    return read(path) if path.exists() else None

@@ -7,10 +7,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from gradaccum import params
-from gradaccum.outputs import atomic_path, read_json, write_json, write_text
+from gradaccum.outputs import atomic_path, write_json, write_text
 from gradaccum.refusal import BadInput, refuse
 from gradaccum.report import Inputs, build, load_variants, tables
-from stages.paths import GRADCHECK, HARDWARE, PROVENANCE, SPEED, SWEEP_PLAN, TRACE, VARIANTS, variant_dir
+from stages.paths import (
+    GRADCHECK,
+    HARDWARE,
+    PROVENANCE,
+    SPEED,
+    SWEEP_PLAN,
+    TRACE,
+    VARIANTS,
+    read,
+    read_if_there,
+    variant_dir,
+)
 
 REPORT_MD = Path("reports/report.md")
 REPORT_HTML = Path("reports/report.html")
@@ -33,13 +44,13 @@ def main() -> None:
     }
     inputs = Inputs(
         params=p,
-        hardware=read_json(HARDWARE),
-        provenance=read_json(PROVENANCE),
+        hardware=read(HARDWARE),
+        provenance=read(PROVENANCE),
         results=results,
-        plan=read_json(SWEEP_PLAN) if SWEEP_PLAN.exists() else None,
-        grad=read_json(GRADCHECK) if GRADCHECK.exists() else None,
-        speed=read_json(SPEED) if SPEED.exists() else None,
-        trace=read_json(TRACE) if TRACE.exists() else None,
+        plan=read_if_there(SWEEP_PLAN),
+        grad=read_if_there(GRADCHECK),
+        speed=read_if_there(SPEED),
+        trace=read_if_there(TRACE),
         snapshots=snapshots,
         histories=histories,
     )
@@ -56,5 +67,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (BadInput, FileNotFoundError) as err:
+    except BadInput as err:
         refuse(err)

@@ -9,17 +9,17 @@ import torch
 
 from gradaccum import mnist, models, params
 from gradaccum.machine import process_seconds
-from gradaccum.outputs import read_json, write_json
+from gradaccum.outputs import write_json
 from gradaccum.refusal import BadInput, refuse
 from gradaccum.speed import time_variants
-from stages.paths import DATASET, HARDWARE, SPEED, SWEEP_PLAN
+from stages.paths import DATASET, HARDWARE, SPEED, SWEEP_PLAN, read, read_if_there
 
 
 def main() -> None:
     p = params.load()
-    hw = read_json(HARDWARE)
+    hw = read(HARDWARE)
     models.check_input(p.model)  # the checks that apply here, for a run of this stage alone
-    plan = read_json(SWEEP_PLAN) if SWEEP_PLAN.exists() else None
+    plan = read_if_there(SWEEP_PLAN)
     scale = p.scale_settings(hw["scale"])
     mnist.check_batch(hw["scale"], scale.batch, scale.train_samples, DATASET, steps=p.speed.steps)
     n = p.speed.steps * scale.batch

@@ -9,15 +9,15 @@ import sys
 
 from gradaccum import mnist, models, params
 from gradaccum.machine import process_seconds
-from gradaccum.outputs import read_json, write_json, write_table
+from gradaccum.outputs import write_json, write_table
 from gradaccum.refusal import BadInput, refuse
 from gradaccum.sweep import POINT_COLUMNS, SweepError, sweep
-from stages.paths import DATASET, HARDWARE, SWEEP_PLAN, SWEEP_POINTS
+from stages.paths import DATASET, HARDWARE, SWEEP_PLAN, SWEEP_POINTS, read
 
 
 def main() -> None:
     p = params.load()
-    hw = read_json(HARDWARE)
+    hw = read(HARDWARE)
     models.check_input(p.model)  # refused here, in seconds, not by the first point
     scale = p.scale_settings(hw["scale"])  # as train refuses it, before the points run (a minute or more)
     mnist.check_batch(hw["scale"], scale.batch, scale.train_samples, DATASET)

@@ -21,20 +21,31 @@ from gradaccum.machine import process_seconds
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import atomic_path, read_json, write_json, write_table, write_text
 from gradaccum.refusal import BadInput, refuse
-from stages.paths import DATASET, HARDWARE, PROVENANCE, SWEEP_PLAN, live_dir, variant_dir, weights_path
+from stages.paths import (
+    DATASET,
+    HARDWARE,
+    PROVENANCE,
+    SWEEP_PLAN,
+    live_dir,
+    read,
+    read_if_there,
+    variant_dir,
+    weights_path,
+)
 
 
 def main(variant: str, memory_snapshot: Path | None = None) -> None:
     p = params.load()
     if variant not in p.variants:
         raise params.ParamsError(f"variant {variant!r} is not in params.yaml variants: {', '.join(p.variants)}")
-    hw = read_json(HARDWARE)
-    plan = read_json(SWEEP_PLAN) if SWEEP_PLAN.exists() else None
+    hw = read(HARDWARE)
+    plan = read_if_there(SWEEP_PLAN)
     variant_accum(p, variant, plan, hw["scale"])  # a bad accum stops here, before torchrun starts anything
     models.check_input(p.model)  # so does a model that cannot take the images
     params.check_distributed(p, hw)
     scale = p.scale_settings(hw["scale"])
     mnist.check_batch(hw["scale"], scale.batch, scale.train_samples, DATASET)
+    dataset = read(PROVENANCE)["kind"]  # read now: a missing one is said before training, not after it
     nproc = p.distributed.nproc_per_node
     if nproc > 1 and not distributed.launched():  # one process per device, started by torchrun
         sys.exit(relaunched(variant, nproc))
@@ -45,11 +56,11 @@ def main(variant: str, memory_snapshot: Path | None = None) -> None:
     if live is not None:
         live.close()
     if run.alone:  # out of memory here while the other ranks wait: record it, then fail so torchrun stops them
-        write_outputs(variant, run)
+        write_outputs(variant, run, dataset)
         sys.exit(f"train@{variant}: rank {rank} {run.record.why_not()}")
     distributed.teardown()
     if rank == 0:  # rank 0 writes the outputs
-        write_outputs(variant, run)
+        write_outputs(variant, run, dataset)
 
 
 def relaunched(variant: str, nproc: int) -> int:
@@ -67,11 +78,11 @@ def relaunched(variant: str, nproc: int) -> int:
     return code
 
 
-def write_outputs(variant: str, run: VariantRun) -> None:
+def write_outputs(variant: str, run: VariantRun, dataset: str) -> None:
     """Metrics last: their presence says that the rest is there."""
     sampler = run.sampler
     record = run.record.model_copy(
-        update={"dataset": read_json(PROVENANCE)["kind"], "stage_seconds": process_seconds()}
+        update={"dataset": dataset, "stage_seconds": process_seconds()}
     )
     out = variant_dir(variant)
     ensure_outputs(live_dir(variant))  # what dvc.yaml declares, for a variant that did not run or fit too

@@ -17,6 +17,7 @@ from PIL import Image
 from gradaccum.loop import EPOCH_COLUMNS, STEP_COLUMNS
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import write_json, write_table
+from gradaccum.records import VariantRecord
 from gradaccum.report import tables, traced
 from stages import report
 
@@ -24,6 +25,7 @@ VARIANTS = {
     "baseline": ("batch", 1, 1e-3),
     "accumulation": ("group", 4, 3e-4),
     "groupnorm": ("group", 1, 3e-4),
+    "batchnorm_lr": ("batch", 1, 3e-4),
     "accum_batchnorm": ("batch", 4, 1e-3),
     "tutorial_accumulation": ("group", 4, 3e-4),
     "checkpointing": ("group", 1, 3e-4),
@@ -175,6 +177,7 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
         "baseline": 30700.0,
         "accumulation": 14000.0,
         "groupnorm": 29900.0,
+        "batchnorm_lr": 30600.0,
         "accum_batchnorm": 14500.0,
         "tutorial_accumulation": 14100.0,
         "checkpointing": 12000.0,
@@ -388,8 +391,18 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
         loss_row = claims["the loss is barely affected"]
         m_acc, m_base = metrics["accumulation"], metrics["baseline"]
         assert float(loss_row["measured / claimed"]) == pytest.approx(mean_loss(m_acc) / mean_loss(m_base), abs=0.005)
-        norm_row = next(r for c, r in claims.items() if c.startswith("(this study) the norm swap alone"))
+        norm_row = next(r for c, r in claims.items() if c.startswith("(this study) the norm swap with its lr"))
         assert "within the seed spread (0.0100 against a range of 0.0300 over 3 seeds)" in norm_row["verdict"]
+        lr_alone = next(r for c, r in claims.items() if c.startswith("(this study) the lr alone"))
+        norm_alone = next(r for c, r in claims.items() if c.startswith("(this study) the norm alone"))
+        assert lr_alone["verdict"].startswith("changes the loss by +0.0000 (+0%), within the seed spread")
+        assert norm_alone["verdict"].startswith("changes the loss by -0.0100 (-1%), within the seed spread (0.0100")
+        first = {r["question"]: r for r in md_table(md, "What this run found")}
+        split = first["The tutorial's loss change: the norm or the lr?"]["measured on this machine (host RSS)"]
+        assert split == (
+            "The lr alone: +0.0000 final loss, within the seed spread; the norm alone (at 3e-4): -0.0100, within the "
+            "seed spread."
+        )
         seeds = {r["variant"]: r for r in md_table(md, "Seeds: what another seed gives")}
         assert seeds["baseline"]["seeds"] == "99, 100, 101"
         assert seeds["baseline"]["final train loss per seed"] == "1.6000, 1.6200, 1.5900"
@@ -489,7 +502,8 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     claimed = {r["tutorial's claim"]: r for r in md_table(md, "The tutorial's claims against this run")}
     thirty = claimed["about 30 GB at batch 32768 (BatchNorm), in nvidia-smi"]
     base_tensors = (105 + 0.78 * 32768) / 1024
-    assert thirty["measured"].startswith(f"`baseline` predicted: tensors {base_tensors:.1f} GiB")
+    predicted = f"`baseline` predicted at the tutorial's settings: tensors {base_tensors:.1f} GiB"
+    assert thirty["measured"].startswith(predicted)
     assert thirty["verdict"].startswith(f"of the claim, the tensors explain {base_tensors / 30:.0%}")
     fourteen = claimed["about 13.7 GB with 8192 x 4 (GroupNorm), in nvidia-smi"]  # the tutorial's own code
     smi = (acc_tensors * 1.05 + 564) / 1024
@@ -570,7 +584,7 @@ def test_report_without_variants_says_what_to_run(workdir: Path) -> None:
     fixture_run(workdir, "cpu")
     for path in (workdir / "reports/variants").glob("*/metrics.json"):
         path.unlink()
-    with pytest.raises(FileNotFoundError, match="run the train stages first"):
+    with pytest.raises(FileNotFoundError, match="`dvc repro train` makes them"):
         report.main()
 
 
@@ -621,3 +635,45 @@ def test_groupnorms_cost_on_a_gpu_is_a_finding_with_its_lever() -> None:
     assert "`accumulation` with it traces to 6.36 GiB (10.56 without, nvidia-smi 7.50 predicted)" in text
     assert "has not measured what it does to the loss" in text
     assert traced.groupnorm_cost({"rows": rows[:1]}) == ""  # no BatchNorm twin: no finding
+
+
+def claim_row(variant: str, accum: int, tensors_gib: float) -> dict[str, Any]:
+    micro = 32768 // accum
+    mib = tensors_gib * 1024
+    return {
+        "variant": variant, "scale": "study", "accum": accum, "micro_batch": micro, "amp": "float16", "peak_mib": mib,
+        "gpu_reserved_mib": mib + 512, "gpu_context_mib": 500.0, "gpu_nvidia_smi_mib": mib + 1012,
+    }  # fmt: skip
+
+
+def test_the_tutorials_claims_are_held_at_its_own_settings_whatever_accum_is() -> None:
+    """After `dvc exp run -S accum=8`: the 13.7 GB is held against the trace at 4 x 8192 (the tutorial's), and the
+    row shows this run's 8 x 4096 beside it; with the tutorial's accum the row says nothing more."""
+    this_run = [claim_row("baseline", 1, 25.0), claim_row("tutorial_accumulation", 8, 4.0)]
+    tutorial = [claim_row("baseline", 1, 25.0), claim_row("tutorial_accumulation", 4, 7.0)]
+    rows = traced.tutorial_claims({"rows": this_run, "tutorial_settings": tutorial}, {}, on_gpu=False)
+    fourteen = next(r for r in rows if r["tutorial's claim"].startswith("about 13.7 GB"))
+    assert "predicted at the tutorial's settings: tensors 7.0 GiB (float16, 4 x 8192" in fourteen["measured"]
+    assert "this run's settings differ (8 x 4096): tensors 4.0 GiB" in fourteen["measured"]
+    smi = (7.0 * 1024 + 1012) / 1024
+    assert fourteen["measured / claimed"] == f"{smi / 13.7:.2f}"  # the tutorial's step, not this run's
+    ratio = next(r for r in rows if r["tutorial's claim"].startswith("accumulation needs"))
+    assert "(4 x 8192 against 1 x 32768)" in ratio["measured"]
+    same = traced.tutorial_claims({"rows": tutorial, "tutorial_settings": tutorial}, {}, on_gpu=False)
+    assert not any("differ" in r["measured"] for r in same)
+
+
+def test_a_gpu_run_at_another_accum_is_not_held_to_the_tutorials_figure() -> None:
+    base = VariantRecord.model_validate(
+        {
+            "variant": "accumulation", "norm": "group", "weighting": "exact", "epoch_end_step": True,
+            "swap": "keep_act", "accum": 8, "accum_setting": 8, "micro_batch": 4096, "batch": 32768, "lr": 3e-4,
+            "scale": "study", "device": "cuda", "amp": "float16", "train_samples": 60000, "test_samples": 10000,
+            "parameters": 1, "fit": True, "optimizer_steps": 2, "skipped_steps": 0, "train_seconds": 1.0,
+            "memory": {"samples": 1, "interval_ms": 200, "rss_peak_mib": 1.0, "nvidia_smi_peak_mib": 5000.0},
+        }
+    )  # fmt: skip
+    results = {"accumulation": tables.VariantResult(record=base, epochs=None, timeline=None)}
+    row = next(r for r in tables.absolute_claims(results, True) if "13.7" in r["tutorial's claim"])
+    assert row["measured / claimed"] == "-" and row["verdict"].startswith("settings differ")
+    assert "at this run's 8 x 4096 of 32768" in row["measured"]

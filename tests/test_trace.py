@@ -105,3 +105,12 @@ def test_a_model_that_cannot_take_the_images_is_refused_by_name() -> None:
         models.check_input(vit.model)
     resnet = params.set_values(raw, ["model.name=resnet18"])
     models.check_input(resnet.model)  # any model that takes them passes
+
+
+def test_the_tutorials_settings_are_its_own_whatever_params_say() -> None:
+    """The trace stage traces the tutorial's claims at 4 x 8192 of 32768 even after `dvc exp run -S accum=8`."""
+    p = params.set_values(params.read(ROOT / "params.yaml"), ["accum=8", "scales.study.batch=4096"])
+    t = trace.tutorial_settings(p)
+    assert (t.accum, t.scales.study.batch) == (4, 32768)
+    assert [params.variant_accum_steps(t, v) for v in ("tutorial_accumulation", "baseline")] == [4, 1]
+    assert t.variants == p.variants and t.model == p.model

@@ -17,6 +17,7 @@ import pandas as pd
 import yaml
 
 from gradaccum import planner
+from gradaccum.outputs import MissingInput
 from gradaccum.params import Params
 from gradaccum.records import VariantRecord
 from gradaccum.report import figures, tables, traced
@@ -49,14 +50,20 @@ def load_variants(names: list[str], folder: Path) -> tables.Results:
         d = folder / name
         if not (d / "metrics.json").exists():
             continue
-        results[name] = tables.VariantResult(
-            record=VariantRecord.read(d / "metrics.json"),
-            epochs=pd.read_csv(d / "epochs.tsv", sep="\t"),
-            timeline=pd.read_csv(d / "memory.csv"),
-            steps=pd.read_csv(d / "steps.tsv", sep="\t") if (d / "steps.tsv").exists() else None,
-        )
+        try:
+            results[name] = tables.VariantResult(
+                record=VariantRecord.read(d / "metrics.json"),
+                epochs=pd.read_csv(d / "epochs.tsv", sep="\t"),
+                timeline=pd.read_csv(d / "memory.csv"),
+                steps=pd.read_csv(d / "steps.tsv", sep="\t") if (d / "steps.tsv").exists() else None,
+            )
+        except (OSError, ValueError) as err:  # a missing curve, a damaged record (pydantic's error is a ValueError)
+            first = str(err).splitlines()[0]
+            raise MissingInput(
+                f"{d}/ cannot be read ({type(err).__name__}: {first}): `dvc repro -f train@{name}` makes it again"
+            ) from None
     if not results:
-        raise FileNotFoundError(f"no variant has a metrics.json under {folder}/: run the train stages first")
+        raise MissingInput(f"no variant has a metrics.json under {folder}/: `dvc repro train` makes them")
     return results
 
 

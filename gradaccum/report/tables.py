@@ -177,6 +177,9 @@ def absolute_claims(results: Results, study_on_gpu: bool) -> list[dict[str, str]
             failed = m.did_not_fit
             at = f"{failed.memory_at_failure_mib} of {failed.device_total_mib} MiB"
             rows.append(claim(text, f"did not fit ({at})", None, "did not fit on this machine"))
+        elif study_on_gpu and (m.batch, m.accum) != (CLAIMS["batch"], 1 if name == "baseline" else CLAIMS["accum"]):
+            measured = f"{peak_mib(m) / 1024:.1f} GB at this run's {m.accum} x {m.micro_batch} of {m.batch}"
+            rows.append(claim(text, measured, None, "settings differ: the traced row below holds the tutorial's"))
         elif study_on_gpu:
             measured = peak_mib(m) / 1024
             rows.append(claim(text, f"{measured:.1f} GB", measured / gb))
@@ -198,6 +201,8 @@ def ratio_claims(results: Results, plan: dict[str, Any] | None = None) -> list[d
     if "accumulation" not in done or "baseline" not in done:
         return [claim(text, "-", None, "not measured: the baseline or the accumulation variant did not run or fit")]
     acc, base = done["accumulation"], done["baseline"]
+    if acc.accum != CLAIMS["accum"]:  # a share of the micro-batch: another accum, another share
+        text += f"; this run at accum {acc.accum}, the tutorial's {CLAIMS['accum']}"
     a, b = peak_mib(acc), peak_mib(base)
     acc_loss, base_loss = seed_mean(acc, "final_train_loss"), seed_mean(base, "final_train_loss")
     change = acc_loss / base_loss - 1
@@ -247,11 +252,12 @@ def control_claims(results: Results) -> list[dict[str, str]]:
                 "holds" if diff <= 0.01 else f"differs by {diff:.1%}, {against_seeds(acc, gn)}",
             )
         )
+    rows += norm_or_lr(done)
     if gn and base:
         change = loss["gn"] / loss["base"] - 1
         rows.append(
             claim(
-                "(this study) the norm swap alone: GroupNorm(1) against BatchNorm, both accum 1",
+                "(this study) the norm swap with its lr: GroupNorm(1) at 3e-4 against BatchNorm at 1e-3, both accum 1",
                 f"final train loss {seed_text(gn, 'final_train_loss')} vs {seed_text(base, 'final_train_loss')}; "
                 f"test accuracy {seed_text(gn, 'test_accuracy')} vs {seed_text(base, 'test_accuracy')}; peak "
                 f"{peak_mib(gn):.0f} vs {peak_mib(base):.0f} MiB",
@@ -259,7 +265,7 @@ def control_claims(results: Results) -> list[dict[str, str]]:
                 (
                     "no change (within 10%)"
                     if abs(change) <= 0.10
-                    else f"the norm (and lr) change the loss by "
+                    else f"the norm and lr together change the loss by "
                     f"{abs(change):.0%}; memory stays {peak_mib(gn) / peak_mib(base):.2f}x"
                 )
                 + f"; {against_seeds(gn, base)}",
@@ -280,6 +286,46 @@ def control_claims(results: Results) -> list[dict[str, str]]:
             )
         )
     return rows
+
+
+def norm_or_lr(done: dict[str, VariantRecord]) -> list[dict[str, str]]:
+    """The tutorial changed the norm and the lr at once (BatchNorm at 1e-3 to GroupNorm at 3e-4): the `batchnorm_lr`
+    control (BatchNorm at 3e-4) splits the change into the lr's part and the norm's, each against the seed spread."""
+    base, bn_lr, gn = (done.get(n) for n in ("baseline", "batchnorm_lr", "groupnorm"))
+    if not (base and bn_lr and gn):
+        return []
+    rows = []
+    for text, a, b in (
+        ("(this study) the lr alone: BatchNorm at 3e-4 against 1e-3, both accum 1", bn_lr, base),
+        ("(this study) the norm alone: GroupNorm(1) against BatchNorm, both at 3e-4 and accum 1", gn, bn_lr),
+    ):
+        la, lb = seed_mean(a, "final_train_loss"), seed_mean(b, "final_train_loss")
+        rows.append(
+            claim(
+                text,
+                f"final train loss {seed_text(a, 'final_train_loss')} vs {seed_text(b, 'final_train_loss')}; "
+                f"test accuracy {seed_text(a, 'test_accuracy')} vs {seed_text(b, 'test_accuracy')}",
+                None,
+                f"changes the loss by {la - lb:+.4f} ({la / lb - 1:+.0%}), {against_seeds(a, b)}",
+            )
+        )
+    return rows
+
+
+def norm_or_lr_answer(done: dict[str, VariantRecord]) -> str | None:
+    """The first screen's sentence: how much of the baseline-to-fix loss change is the lr's, how much the norm's."""
+    base, bn_lr, gn = (done.get(n) for n in ("baseline", "batchnorm_lr", "groupnorm"))
+    if not (base and bn_lr and gn):
+        return None
+    lb, ll, lg = (seed_mean(m, "final_train_loss") for m in (base, bn_lr, gn))
+
+    def spread(a: VariantRecord, b: VariantRecord) -> str:
+        return against_seeds(a, b).split(" (")[0].replace("one seed: not compared with a seed spread", "one seed")
+
+    return (
+        f"The lr alone: {ll - lb:+.4f} final loss, {spread(bn_lr, base)}; the norm alone (at 3e-4): {lg - ll:+.4f}, "
+        f"{spread(gn, bn_lr)}."
+    )
 
 
 def gradcheck_scope(grad: dict[str, Any]) -> str:
@@ -482,6 +528,7 @@ def batch_part(m: VariantRecord, plan: dict[str, Any] | None) -> float | None:
 
 # The first screen's questions: `answers` asks them, traced.gpu_answers keys the GPU column by them.
 SAVES, COSTS, SAME = "Does accumulation save memory?", "What does it cost?", "Is it the same training?"
+NORM_OR_LR = "The tutorial's loss change: the norm or the lr?"
 MEASURED_HERE = {"cuda": "measured on this GPU (nvidia-smi)", "cpu": "measured on this machine (host RSS)"}
 PREDICTED_GPU = "predicted for a GPU (study scale, traced)"
 
@@ -523,6 +570,8 @@ def answers(
                 f"{a_loss:.4f} against {g_loss:.4f} without accumulation.",
             }
         )
+    if split := norm_or_lr_answer(done):
+        rows.append({"question": NORM_OR_LR, "answer": split})
     return [
         {"question": r["question"], here: r["answer"], PREDICTED_GPU: predicted.get(r["question"], "-")} for r in rows
     ]

@@ -214,8 +214,11 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool) -> li
     of each the traced tensors, the caching allocator's cache and the CUDA context explain, and what is left.
 
     The 13.7 GB was the tutorial's own code (plain GroupNorm swap), so `tutorial_accumulation` answers it; the
-    claimed GB are read as GiB, as nvidia-smi's MiB divided by 1024."""
-    study = rows_at(trace, "study")
+    claimed GB are read as GiB, as nvidia-smi's MiB divided by 1024. Each claim is held against the step at the
+    tutorial's settings (4 x 8192 of 32768, traced whatever params.yaml says); where this run's differ, the row
+    says so and shows this run's too, and a GPU's measurement (made at this run's settings) is shown beside it."""
+    this_run = rows_at(trace, "study")
+    study = this_run | {r["variant"]: r for r in trace.get("tutorial_settings", [])}  # older traces: this run's
     out = []
     claims = (
         ("baseline", "about 30 GB at batch 32768 (BatchNorm), in nvidia-smi", CLAIMS["baseline_gb"]),
@@ -232,17 +235,27 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool) -> li
         tensors, reserved, smi = (r[k] / 1024 for k in ("peak_mib", "gpu_reserved_mib", "gpu_nvidia_smi_mib"))
         context = r["gpu_context_mib"] / 1024
         m = results[name].record if name in results else None
+        own = this_run.get(name, r)
+        differs = (own.get("accum"), own.get("micro_batch")) != (r["accum"], r["micro_batch"])
         measured = (
             f"; nvidia-smi on this GPU {m.memory.nvidia_smi_peak_mib / 1024:.1f} GiB"
+            + (f" (at this run's {m.accum} x {m.micro_batch})" if differs else "")
             if on_gpu and m is not None and m.fit and m.memory.nvidia_smi_peak_mib
             else ""
         )
+        if differs and "gpu_nvidia_smi_mib" in own:
+            measured = (
+                f"; this run's settings differ ({own['accum']} x {own['micro_batch']}): tensors "
+                f"{own['peak_mib'] / 1024:.1f} GiB, nvidia-smi {own['gpu_nvidia_smi_mib'] / 1024:.1f} predicted"
+                + measured
+            )
         left = gb - smi
         out.append(
             {
                 "tutorial's claim": text,
-                "measured": f"`{name}` predicted: tensors {tensors:.1f} GiB ({r['amp']}, {r['accum']} x "
-                f"{r['micro_batch']}, CUDA's autocast rules), reserved {reserved:.1f}, nvidia-smi {smi:.1f}" + measured,
+                "measured": f"`{name}` predicted at the tutorial's settings: tensors {tensors:.1f} GiB ({r['amp']}, "
+                f"{r['accum']} x {r['micro_batch']}, CUDA's autocast rules), reserved {reserved:.1f}, nvidia-smi "
+                f"{smi:.1f}" + measured,
                 "measured / claimed": fmt(smi / gb, 2),
                 "verdict": f"of the claim, the tensors explain {tensors / gb:.0%}, the caching allocator's reserve "
                 f"(rounding, cache, cuBLAS workspaces) {(reserved - tensors) / gb:.0%}, the CUDA context (assumed) "
@@ -262,7 +275,8 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool) -> li
         out.append(
             {
                 "tutorial's claim": f"accumulation needs {claimed:.0%} of the baseline's memory, at the study's scale",
-                "measured": f"`{claims[1][0]}` over `baseline`, predicted nvidia-smi: {ratio:.2f} "
+                "measured": f"`{claims[1][0]}` over `baseline` at the tutorial's settings ({acc['accum']} x "
+                f"{acc['micro_batch']} against 1 x {base['micro_batch']}), predicted nvidia-smi: {ratio:.2f} "
                 f"({acc['gpu_nvidia_smi_mib'] / 1024:.1f} / {base['gpu_nvidia_smi_mib'] / 1024:.1f} GiB); "
                 f"the tensors alone {tensors:.2f}",
                 "measured / claimed": fmt(ratio / claimed, 2),
