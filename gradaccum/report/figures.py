@@ -25,7 +25,7 @@ def missing_note(results: Results) -> str:
 
 PANELS = (  # the variants grouped by what they compare: one panel each, a few lines per panel
     ("accumulation against its control", ("groupnorm", "accumulation", "tutorial_accumulation")),
-    ("BatchNorm and accumulation", ("baseline", "accum_batchnorm", "groupnorm")),
+    ("BatchNorm: accumulation, the lr, the norm", ("baseline", "accum_batchnorm", "batchnorm_lr", "groupnorm")),
     ("the other memory levers", ("groupnorm", "checkpointing", "accum_checkpointing", "groupnorm_precision")),
 )
 
