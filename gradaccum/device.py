@@ -30,6 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gradaccum import outputs
+from gradaccum.outputs import write_json  # whole or not at all: a call cut off brings back the last whole file
+
 BUNDLE = Path("device-bundle")
 # What our device path imports that the device lacks (pydantic: params and records; ruamel.yaml: params -S;
 # markdown-it: the report package that gradaccum.report.traced sits in), with what they import; typing_extensions
@@ -79,15 +82,9 @@ def pins(lock: Path = Path("requirements.lock")) -> dict[str, str]:
     return {n: locked[norm(n)] for n in BUNDLED}
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Whole or not at all: a call cut off by its time limit brings back the last complete file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
-
-
 def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}
+    """A file of OUT or the bundle, or {} where a part has not written it (yet)."""
+    return outputs.read_json(path) if path.exists() else {}
 
 
 def build_bundle(dest: Path, python: str, data: Path, params_file: Path, sets: list[str]) -> dict[str, Any]:
