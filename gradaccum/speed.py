@@ -18,7 +18,7 @@ from gradaccum.accumulation import micro_batch_size, schedule
 from gradaccum.experiment import cudnn_settings, emulation_check, variant_accum, variant_model
 from gradaccum.loop import amp_dtype, make_optimizer, make_scaler, train_epoch
 from gradaccum.memory import is_out_of_memory
-from gradaccum.params import Params
+from gradaccum.params import Params, step_twin
 
 
 def prepare(p: Params, variant: str, hw: dict[str, Any], plan: dict[str, Any] | None, device: torch.device):
@@ -34,13 +34,17 @@ def prepare(p: Params, variant: str, hw: dict[str, Any], plan: dict[str, Any] | 
 def time_variants(
     p: Params, hw: dict[str, Any], data: dict[str, torch.Tensor], plan: dict[str, Any] | None, rounds: int, steps: int
 ) -> dict[str, Any]:
-    """images/s of every variant per round, interleaved; variants not run or out of memory say why."""
+    """images/s of every variant per round, interleaved; variants not run or out of memory say why; a variant
+    whose step differs from an earlier one's only in its lr gets that one's rounds, named in `same_step_as`."""
     device = data["train_x"].device
     batch = p.scale_settings(hw["scale"]).batch
     n = steps * batch
     images, labels, order = data["train_x"][:n], data["train_y"][:n], torch.arange(n, device=device)
     arms, out = {}, {}
+    twins = {name: twin for name in p.variants if (twin := step_twin(p, name))}
     for name, v in p.variants.items():
+        if name in twins:  # the same step as an earlier variant but for its lr: timed once, as that one
+            continue
         why = emulation_check(p, hw, amp_dtype(device, p.train, v.precision))
         if why:  # decided before any model is built
             out[name] = {"not_run": why}
@@ -75,6 +79,9 @@ def time_variants(
     for row in out.values():
         if row.get("images_per_s"):
             row["median_images_per_s"] = statistics.median(row["images_per_s"])
+    for name, twin in twins.items():
+        out[name] = out[twin] | {"same_step_as": twin}
+    out = {name: out[name] for name in p.variants}  # params.yaml's order
     return {
         "rounds": rounds,
         "steps": steps,

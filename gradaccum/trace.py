@@ -38,7 +38,7 @@ from gradaccum.accumulation import micro_batch_size
 from gradaccum.loop import amp_dtype, make_optimizer, normalize
 from gradaccum.memory import MIB
 from gradaccum.models import IMAGE_SIZE, build_model
-from gradaccum.params import Params, set_values, variant_accum_steps
+from gradaccum.params import Params, set_values, step_twin, variant_accum_steps
 from gradaccum.tutorial import CLAIMS
 
 KINDS = {  # MemTracker's names for what holds memory -> ours
@@ -350,7 +350,8 @@ def _job(p: Params, job: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
 def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every variant at both scales (the CPU scale with the real allocator's peak beside the trace), and the
     GroupNorm model's line per lever at the study scale, for the GPU card table; in `workers` processes."""
-    jobs = [("variant", v, scale) for scale in DEVICES for v in p.variants]
+    twins = {v: twin for v in p.variants if (twin := step_twin(p, v))}  # the same step but the lr: traced once
+    jobs = [("variant", v, scale) for scale in DEVICES for v in p.variants if v not in twins]
     jobs += [("line", lever) for lever in ("plain", "checkpointing")]
     fast = [v for v in p.variants if (p.variants[v].norm, p.variants[v].swap) == ("group", "keep_act")][:1]
     jobs += [("fast_norm", v) for v in fast if v == "accumulation"]  # the lever against GroupNorm's float32
@@ -360,7 +361,10 @@ def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
         done = dict(pool.map(partial(_job, p), jobs))
     seconds = time.perf_counter() - start  # the workers' start-up (imports) included
-    rows = [done[job] for job in jobs if job[0] == "variant"]
+    for v, twin in twins.items():
+        for scale in DEVICES:
+            done[("variant", v, scale)] = done[("variant", twin, scale)] | {"variant": v, "same_step_as": twin}
+    rows = [done[("variant", v, scale)] for scale in DEVICES for v in p.variants]
     for row in rows:
         log(f"trace: {row['variant']} at the {row['scale']} scale: {row.get('peak_mib', 0):.0f} MiB")
     return {

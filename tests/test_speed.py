@@ -26,6 +26,8 @@ def test_every_variant_is_timed_in_every_round(workdir: Path) -> None:
         assert len(row["images_per_s"]) == 2 and all(x > 0 for x in row["images_per_s"])  # the warm-up not kept
         assert row["accum"] == (4 if p.variants[name].accum == "accum" else p.variants[name].accum)
         assert row["micro_batch"] == 8 // row["accum"]
+    twin = result["variants"]["batchnorm_lr"]  # the baseline's step at another lr: timed once, shared
+    assert twin["same_step_as"] == "baseline" and twin["images_per_s"] == result["variants"]["baseline"]["images_per_s"]
     ratios = speed_ratios(result)
     assert set(ratios) == set(p.variants) - {"groupnorm_precision"}  # a variant not run has no ratio
     assert all(r["rounds"] == 2 for r in ratios.values())

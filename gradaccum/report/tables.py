@@ -371,9 +371,10 @@ def speed_rows(speed: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for name, row in speed["variants"].items():
         rounds = row.get("images_per_s") or []
+        twin = f" (timed as {row['same_step_as']}: the same step, another lr)" if "same_step_as" in row else ""
         rows.append(
             {
-                "variant": name,
+                "variant": name + twin,
                 "accum x micro-batch": f"{row['accum']} x {row['micro_batch']}" if "accum" in row else "-",
                 "images/s per round": ", ".join(f"{x:.1f}" for x in rounds)
                 or row.get("not_run")
