@@ -33,7 +33,8 @@ def timed_repro(clone: Path) -> tuple[dict[str, float], float]:
     """Run `make repro` in `clone`; each stage's seconds from its 'Running stage' line to the next, and the total."""
     (clone / ".venv").symlink_to(Path(sys.prefix))  # made by `make test`: make skips the install
     start = time.monotonic()
-    proc = subprocess.Popen(["make", "repro"], cwd=clone, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    make = ["make", "--old-file", ".venv/bin/.installed", "repro"]  # the clone's lock file is newer than the venv
+    proc = subprocess.Popen(make, cwd=clone, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     marks: list[tuple[str, float]] = []
     for line in proc.stdout:
         print(line, end="", flush=True)
