@@ -400,8 +400,8 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
         first = {r["question"]: r for r in md_table(md, "What this run found")}
         split = first["The tutorial's loss change: the norm or the lr?"]["measured on this machine (host RSS)"]
         assert split == (
-            "The lr alone: +0.0000 final loss, within the seed spread; the norm alone (at 3e-4): -0.0100, within the "
-            "seed spread."
+            "Of the fix's -0.0100 in final loss, the lr alone: +0.0000 (0%), within the seed spread; then the norm "
+            "(at 3e-4): -0.0100 (100%), within the seed spread."
         )
         seeds = {r["variant"]: r for r in md_table(md, "Seeds: what another seed gives")}
         assert seeds["baseline"]["seeds"] == "99, 100, 101"

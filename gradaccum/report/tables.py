@@ -322,9 +322,14 @@ def norm_or_lr_answer(done: dict[str, VariantRecord]) -> str | None:
     def spread(a: VariantRecord, b: VariantRecord) -> str:
         return against_seeds(a, b).split(" (")[0].replace("one seed: not compared with a seed spread", "one seed")
 
+    total = lg - lb
+
+    def share(part: float) -> str:
+        return f" ({part / total + 0.0:.0%})" if total else ""  # + 0.0: no "-0%"
+
     return (
-        f"The lr alone: {ll - lb:+.4f} final loss, {spread(bn_lr, base)}; the norm alone (at 3e-4): {lg - ll:+.4f}, "
-        f"{spread(gn, bn_lr)}."
+        f"Of the fix's {total:+.4f} in final loss, the lr alone: {ll - lb:+.4f}{share(ll - lb)}, "
+        f"{spread(bn_lr, base)}; then the norm (at 3e-4): {lg - ll:+.4f}{share(lg - ll)}, {spread(gn, bn_lr)}."
     )
 
 
