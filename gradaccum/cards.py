@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from gradaccum import allocator, models, params, planner, trace
+from gradaccum.models import IMAGE_SIZE
 from gradaccum.refusal import BadInput
 
 
@@ -88,6 +89,13 @@ def main(argv: list[str] | None = None) -> None:
         f"autocast {p.train.amp_cuda} under CUDA's autocast rules (emulated: gradaccum/autocast_policy.py)"
         if args.scale == "study"
         else f"autocast {p.train.amp_cpu} under the CPU's rules"
+    )
+    data, shape = f"{s.train_samples + s.test_samples:,} digits", f"{p.model.in_chans}x{IMAGE_SIZE}x{IMAGE_SIZE}"
+    print(
+        f"What is traced: {p.model.name} ({p.model.num_classes} classes) on {shape} "
+        f"images (the study's digits, not yours: another input size changes every figure), AdamW (weight decay "
+        f"{p.train.weight_decay}), the dataset resident on the device ({data}, uint8). Sizes in GiB; a card's "
+        '"GB" is read as GiB (1024 MiB), as GPU memory is sized.'
     )
     print(
         f"{p.model.name}, effective batch {s.batch} ({args.scale} scale), {amp}: traced tensors per variant"

@@ -30,6 +30,7 @@ APP_FIELDS = ("pid", "gpu_uuid", "used_memory")  # nvidia-smi heads the last "us
 TEXT_FIELDS = {"uuid", "gpu_uuid", "pci.bus_id", "name", "driver_version"}  # kept as text; the rest are numbers
 TIMELINE_COLUMNS = (
     "seconds",
+    "memory_mib",  # the figure the row's source names: what `dvc plots show` draws, one line per variant
     "process_mib",
     "gpu_used_mib",
     "gpu_total_mib",
@@ -38,6 +39,15 @@ TIMELINE_COLUMNS = (
     "rss_mib",
     "source",
 )
+
+
+SOURCE_COLUMN = {"rss": "rss_mib", "process": "process_mib", "gpu": "process_mib", "torch": "torch_reserved_mib"}
+
+
+def with_figure(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with `memory_mib`: the device's own figure (nvidia-smi's on a GPU, RSS on a CPU), so a plot of
+    one column shows each device's memory and never an empty column drawn as zero."""
+    return row | {"memory_mib": row[SOURCE_COLUMN[row["source"]]]}
 
 
 def query(fields: tuple[str, ...], kind: str = "gpu") -> list[str]:
@@ -232,7 +242,7 @@ class MemorySampler:
             row["torch_reserved_mib"] = round(self.torch_reserved(), 1)
         if not self.nvidia_smi:
             row["source"] = "rss" if self.device == "cpu" else "torch"
-            return row
+            return with_figure(row)
         gpu_text = run_nvidia_smi(query(GPU_FIELDS))
         gpus = [g for g in parse_csv(gpu_text, GPU_FIELDS) if self.gpu is not None and self.gpu.matches(g)]
         gpu = gpus[0] if gpus else {}
@@ -257,7 +267,7 @@ class MemorySampler:
             self._snapshot_if_peak(row["process_mib"])
         elif self.peak_snapshot is None:
             self.peak_snapshot = run_nvidia_smi([])
-        return row
+        return with_figure(row)
 
     def _snapshot_if_peak(self, used_mib: float) -> None:
         """A plain `nvidia-smi` at the peak, retaken only when the peak grows by 1% or more.

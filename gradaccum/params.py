@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import subprocess
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -333,7 +334,26 @@ def load(path: Path = PARAMS_FILE, model_names: bool = True) -> Params:
     model (download, report), which would otherwise import timm and torch for it, 4 s each. The
     `hardware` stage, first in every run, checks it.
     """
-    return check(read(path), model_names)
+    try:
+        return check(read(path), model_names)
+    except ParamsError as err:
+        raise ParamsError(f"{err}{changed_since_commit(path)}") from None
+
+
+def changed_since_commit(path: Path) -> str:
+    """How to put params.yaml back, where it differs from git's HEAD: `dvc exp run -S` writes its values there
+    before it runs, and a refused run leaves the bad value for the next `dvc repro` too."""
+    try:
+        command = ["git", "diff", "--quiet", "HEAD", "--", str(path)]
+        diff = subprocess.run(command, check=False, capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):  # no git: nothing to compare with
+        return ""
+    if diff.returncode != 1:  # 0: as committed; anything else: not a repository, or no HEAD
+        return ""
+    return (
+        f" ({path} differs from git HEAD: `dvc exp run -S` writes its values there before running, and keeps them "
+        f"when refused; `git checkout {path}` puts it back)"
+    )
 
 
 def read(path: Path = PARAMS_FILE) -> Any:

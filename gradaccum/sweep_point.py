@@ -6,6 +6,7 @@ echo "$PARAMS_JSON" | python -m gradaccum.sweep_point --point 256   # prints the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -93,5 +94,7 @@ if __name__ == "__main__":
         check_input(p.model)  # a model that cannot take the images, refused by name (0.1 s)
     except ModelInputError as err:  # one line for the sweep stage to pass on, not a traceback
         refuse(err)
+    with contextlib.suppress(ImportError):  # a train stage holds DVCLive's modules (39 MiB of RSS) at its peak
+        import dvclive  # noqa: F401
     row = measure_point(p, torch.device(args.device), args.point, args.checkpointing, args.test_samples, args.last)
     print(json.dumps(row))

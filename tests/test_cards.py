@@ -37,6 +37,7 @@ def test_the_command_prints_a_row_per_variant_with_overrides(capsys: pytest.Capt
     cards.main(["-S", "accum=8", "--cards", "8", "--variants", "accumulation"])
     out = capsys.readouterr().out
     assert "effective batch 32768 (study scale)" in out and "CUDA's autocast rules" in out
+    assert "1x28x28 images" in out and "AdamW" in out and "Sizes in GiB" in out  # what a 224-pixel user must know
     assert "accumulation" in out and "8 x 4096" in out and "fits" in out and "baseline" not in out
 
 

@@ -154,3 +154,32 @@ def test_the_committed_dvc_lock_is_in_step_with_the_code_and_params() -> None:
                     if path == "params.yaml" or path in tracked:  # code and params; not another stage's output
                         stale.setdefault(stage, []).append(f"{path}: {what}")
     assert stale == {}, f"dvc.lock is behind the code: run `make repro`, then commit dvc.lock: {stale}"
+
+
+def test_a_fresh_clones_dvc_status_lists_missing_outputs_only(tmp_path: Path) -> None:
+    """What the README says a clone's `dvc status` shows: outputs and the deps they make, deleted or not in the
+    cache, and nothing modified (reports/variants held DVC's committed .gitignore files, reported as modified)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    clone = tmp_path / "clone"  # the working tree's tracked files, as a clone of it would hold them
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in filter(None, tracked.split("\0")):
+        if (ROOT / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, clone / name)
+    subprocess.run(["git", "init", "-q"], cwd=clone, check=True)
+    dvc_bin = str(Path(sys.executable).with_name("dvc"))
+    out = subprocess.run([dvc_bin, "status", "--json"], cwd=clone, capture_output=True, text=True, check=True)
+    modified = [
+        (stage, path)
+        for stage, changes in json.loads(out.stdout).items()
+        for change in changes
+        if isinstance(change, dict)
+        for kind in ("changed deps", "changed outs")
+        for path, what in change.get(kind, {}).items()
+        if what == "modified"
+    ]
+    assert modified == []

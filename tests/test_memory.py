@@ -126,6 +126,7 @@ def test_sampler_reads_this_process_from_fake_nvidia_smi(fake_nvidia_smi: Path) 
         time.sleep(0.6)
     assert len(sampler.rows) >= 3
     assert all(r["source"] == "process" and 700 <= r["process_mib"] < 800 for r in sampler.rows)
+    assert all(r["memory_mib"] == r["process_mib"] for r in sampler.rows)  # what dvc plots draws: nvidia-smi's
     assert all(1000 <= r["gpu_used_mib"] < 1100 and r["gpu_total_mib"] == 81559 for r in sampler.rows)
     assert sampler.peak_snapshot and "NVIDIA-SMI" in sampler.peak_snapshot
     summary = sampler.summary()
@@ -212,7 +213,7 @@ def test_sampler_without_any_memory_figure_uses_torch_and_says_so(
         time.sleep(0.3)
     assert sampler.rows and not sampler.errors
     assert all(r["source"] == "torch" and r["process_mib"] is None and r["gpu_used_mib"] is None for r in sampler.rows)
-    assert all(r["torch_reserved_mib"] == 512.0 for r in sampler.rows)
+    assert all(r["torch_reserved_mib"] == 512.0 == r["memory_mib"] for r in sampler.rows)
     summary = sampler.summary()
     assert summary["nvidia_smi_peak_mib"] is None and summary["nvidia_smi_source"] == "torch"  # no invented number
     assert summary["sampled_torch_reserved_peak_mib"] == 512.0
@@ -269,7 +270,7 @@ def test_rss_sampler_sees_an_allocation() -> None:
     assert max(rss) - rss[0] > 250
     summary = sampler.summary()
     assert summary["rss_peak_mib"] >= max(rss) and "nvidia_smi_peak_mib" not in summary
-    assert all(r["source"] == "rss" for r in sampler.rows)
+    assert all(r["source"] == "rss" and r["memory_mib"] == r["rss_mib"] for r in sampler.rows)
 
 
 def test_peak_rss_of_a_child_is_its_own_not_its_parents() -> None:

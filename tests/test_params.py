@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,28 @@ def test_yaml_syntax_error_names_file(tmp_path: Path) -> None:
     bad.write_text("accum: [4\n")
     with pytest.raises(params.ParamsError, match="params.yaml: not valid YAML"):
         params.load(bad)
+
+
+def test_a_refused_value_that_differs_from_git_says_how_to_put_it_back(tmp_path: Path, monkeypatch) -> None:
+    """`dvc exp run -S variants.accumulation.lr=-0.001` writes the value before the run refuses it: the line says so."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "params.yaml"], ["commit", "-qm", "params"]):
+        subprocess.run(git + args, check=True)
+    params.load(model_names=False)  # as committed: valid, nothing said
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text().replace("lr: 3.0e-4", "lr: -0.001", 1))
+    with pytest.raises(params.ParamsError) as err:
+        params.load(model_names=False)
+    assert "-0.001" in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).endswith(
+        "params.yaml differs from git HEAD: `dvc exp run -S` writes its values there before running, and keeps them "
+        "when refused; `git checkout params.yaml` puts it back)"
+    )
+    subprocess.run([*git, "commit", "-qam", "the bad value, committed"], check=True)
+    with pytest.raises(params.ParamsError) as committed:
+        params.load(model_names=False)
+    assert "git HEAD" not in str(committed.value)  # committed on purpose: nothing to put back
 
 
 def test_scale_resolution() -> None:

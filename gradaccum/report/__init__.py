@@ -22,6 +22,7 @@ from gradaccum.params import Params
 from gradaccum.records import VariantRecord
 from gradaccum.report import figures, tables, traced
 from gradaccum.report.document import Report
+from gradaccum.tutorial import CLAIM_TOLERANCE
 
 __all__ = ["Inputs", "Report", "build", "load_variants"]
 OUTPUTS = ("data/", "reports/")  # where pipeline stages write
@@ -67,6 +68,17 @@ def load_variants(names: list[str], folder: Path) -> tables.Results:
     return results
 
 
+def carries_over(plan: dict[str, Any] | None) -> str:
+    """What a CPU run says about a GPU, and what it does not: the banner over a CPU-scale report."""
+    fixed = f" (here {plan['fit']['fixed_mib']:.0f} MiB, the sweep's fit)" if plan and plan.get("fit") else ""
+    return (
+        "What carries over to a GPU: whether accumulation gives the same gradient and loss (the same arithmetic), "
+        "and which way each memory lever moves the peak. What does not: the sizes of the memory ratios, since "
+        f"every CPU peak holds the interpreter and its libraries{fixed}, which a GPU's peak does not (the GPU "
+        "column predicts those), nor speed, absolute memory or accuracy."
+    )
+
+
 def build(inputs: Inputs) -> Report:
     hw, p = inputs.hardware, inputs.params
     rep = Report(title=f"Gradient accumulation study: {hw['scale']} scale on {hw['device']}")
@@ -75,8 +87,7 @@ def build(inputs: Inputs) -> Report:
         rep.stamp = f"{hw['scale'].upper()} SCALE - not the tutorial's study"
         rep.banner(
             f"{rep.stamp}: {scale.train_samples:,} images, effective batch {scale.batch}, {scale.epochs} "
-            f"epochs on {hw['device']}; memory is host RSS, not GPU memory. "
-            "The ratios and the equivalence carry over; absolute memory, speed and accuracy do not."
+            f"epochs on {hw['device']}; memory is host RSS, not GPU memory. {carries_over(inputs.plan)}"
         )
     rep.heading("What this run found")
     predicted = traced.gpu_answers(inputs.trace) if inputs.trace else {}
@@ -84,6 +95,8 @@ def build(inputs: Inputs) -> Report:
     rep.heading("The numbers behind it")
     rep.table(tables.finding_details(inputs.results, inputs.grad, inputs.plan, hw["device"], inputs.speed))
     rep.heading("The tutorial's claims against this run")
+    within = f"A claim holds where what was measured or predicted is within {CLAIM_TOLERANCE:.0%} of it"
+    rep.text(within + ' (its figures are "about" figures from one run).')
     study_on_gpu = hw["scale"] == "study" and hw["device"] == "cuda"
     claims = tables.claims_table(inputs.results, study_on_gpu, inputs.grad, inputs.plan)
     tutorial_rows = traced.tutorial_claims(inputs.trace, inputs.results, study_on_gpu) if inputs.trace else []
@@ -113,7 +126,7 @@ def build(inputs: Inputs) -> Report:
         "Every variant's record. Their images/s come from training runs made one after another, which carry the "
         "machine's drift: no ratio is taken from them (the speed comparisons above are interleaved)."
     )
-    rep.table(tables.variants_table(inputs.results))
+    rep.table(tables.variants_table(inputs.results), explain_once=("cuDNN",))
     what_ran(rep, p, hw, inputs.provenance)
     return rep
 
@@ -257,7 +270,7 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
             "nvidia-smi within 10%) wait for `scripts/gpu_check.sh` on one."
         )
     )
-    rep.table(traced.study_rows(trace, inputs.results, on_gpu))
+    rep.table(traced.study_rows(trace, inputs.results, on_gpu), explain_once=("policy",))
     if on_gpu:
         rep.text("Predicted against measured: " + traced.gpu_verdicts(trace, inputs.results))
     if finding := traced.groupnorm_cost(trace):

@@ -56,9 +56,21 @@ class Report:
         self.collapsed[len(self.blocks)] = summary
         self.pre(text)
 
-    def table(self, rows: list[dict[str, Any]]) -> None:
+    def table(self, rows: list[dict[str, Any]], explain_once: tuple[str, ...] = ()) -> None:
+        """`explain_once`: columns whose cells repeat a long explanation in brackets; each cell keeps its head,
+        and each explanation is said once, in a note above the table."""
         if not rows:
             return
+        rows = [dict(r) for r in rows]
+        notes = {}
+        for column in explain_once:
+            for r in rows:
+                head, bracket, said = str(r.get(column, "")).partition(" (")
+                if bracket:
+                    notes.setdefault(f"{column} *{head}*", said.removesuffix(")"))
+                    r[column] = head
+        if notes:
+            self.text("; ".join(f"{key}: {said}" for key, said in notes.items()) + ".")
         cols = list(dict.fromkeys(c for r in rows for c in r))  # every row's columns, in order
         lines = ["| " + " | ".join(map(cell, cols)) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(cell(r.get(c, "-")) for c in cols) + " |" for r in rows]  # "-": not measured

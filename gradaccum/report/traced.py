@@ -13,7 +13,7 @@ import pandas as pd
 
 from gradaccum import planner
 from gradaccum.report.tables import COSTS, SAVES, Results, fmt, peak_mib
-from gradaccum.tutorial import CLAIMS
+from gradaccum.tutorial import CLAIM_TOLERANCE, CLAIMS
 
 FIXED_KINDS = ("parameters_mib", "buffers_mib", "gradients_mib", "optimizer_mib", "data_mib")
 
@@ -281,7 +281,7 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool) -> li
                 f"the tensors alone {tensors:.2f}",
                 "measured / claimed": fmt(ratio / claimed, 2),
                 "verdict": "about what the tutorial saw"
-                if abs(ratio / claimed - 1) <= 0.1
+                if abs(ratio / claimed - 1) <= CLAIM_TOLERANCE
                 else (
                     "accumulation shrinks memory more than the tutorial saw"
                     if ratio < claimed
