@@ -708,3 +708,13 @@ def test_a_repeated_explanation_is_said_once_above_the_table() -> None:
     assert "| a | CUDA's |" in md and "| c | none |" in md
     assert md.index("policy *CUDA's*: torch 2.14 lists, emulated on the CPU") < md.index("| variant |")
     assert rows[0]["policy"].startswith("CUDA's (")  # the caller's rows are left as they were
+
+
+def test_heads_that_share_an_explanation_share_its_note() -> None:
+    from gradaccum.report.document import Report
+
+    rep = Report(title="t")
+    note = "a CPU: cuDNN is CUDA's library, nothing was set"
+    rep.table([{"cuDNN": f"default: nothing set ({note})"}, {"cuDNN": f"tutorial: nothing set ({note})"}], ("cuDNN",))
+    md = rep.markdown()
+    assert md.count(note) == 1 and f"cuDNN *default: nothing set*, *tutorial: nothing set*: {note}." in md

@@ -62,15 +62,16 @@ class Report:
         if not rows:
             return
         rows = [dict(r) for r in rows]
-        notes = {}
+        notes: dict[tuple[str, str], list[str]] = {}  # (column, explanation) -> the cells' heads it explains
         for column in explain_once:
             for r in rows:
                 head, bracket, said = str(r.get(column, "")).partition(" (")
                 if bracket:
-                    notes.setdefault(f"{column} *{head}*", said.removesuffix(")"))
+                    heads = notes.setdefault((column, said.removesuffix(")")), [])
+                    heads += [] if f"*{head}*" in heads else [f"*{head}*"]
                     r[column] = head
         if notes:
-            self.text("; ".join(f"{key}: {said}" for key, said in notes.items()) + ".")
+            self.text("; ".join(f"{col} {', '.join(heads)}: {said}" for (col, said), heads in notes.items()) + ".")
         cols = list(dict.fromkeys(c for r in rows for c in r))  # every row's columns, in order
         lines = ["| " + " | ".join(map(cell, cols)) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(cell(r.get(c, "-")) for c in cols) + " |" for r in rows]  # "-": not measured

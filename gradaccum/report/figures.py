@@ -150,7 +150,7 @@ def throughput(rep: Report, speed: dict[str, Any]) -> None:
     data = pd.DataFrame(rows)
     fig, ax = plt.subplots(figsize=(7, 4))
     sns.barplot(data, y="variant", x="images/s", estimator="median", errorbar=None, color="#c6d4e8", ax=ax)
-    sns.stripplot(data, y="variant", x="images/s", color="#4c72b0", size=6, ax=ax)
+    sns.stripplot(data, y="variant", x="images/s", color="#4c72b0", size=6, jitter=False, ax=ax)  # re-renders alike
     ax.set(ylabel="", xlabel="images/s (bar: median; dots: one per round)")
     skipped = [n for n, row in speed["variants"].items() if not row.get("images_per_s")]
     rep.figure(
