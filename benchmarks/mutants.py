@@ -119,10 +119,10 @@ MUTANTS = (
         ("tests/test_speed.py::test_a_speed_ratio_pairs_each_round_with_the_references_same_round",),
     ),
     Mutant(
-        "the card table floors the micro-batch",
-        "gradaccum/planner.py",
-        '"micro_batch": math.ceil(batch / accum) if accum else None,',
-        '"micro_batch": batch // accum if accum else None,',
+        "the micro-batch is floored (the card table's too)",
+        "gradaccum/accumulation.py",
+        "return math.ceil(batch / accum)",
+        "return batch // accum",
         ("tests/test_planner.py::test_card_table",),
     ),
     Mutant(

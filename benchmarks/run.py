@@ -32,11 +32,12 @@ import torch.nn.functional as F
 
 from gradaccum import mnist, params, planner
 from gradaccum.accumulation import micro_batch_size, schedule
-from gradaccum.loop import amp_dtype, make_optimizer, make_scaler, train_epoch
+from gradaccum.loop import make_optimizer, make_scaler, train_epoch
 from gradaccum.machine import cpu_name
 from gradaccum.memory import MemorySampler
 from gradaccum.models import build_model
 from gradaccum.outputs import write_json
+from gradaccum.spec import AMP_DTYPES, amp
 from gradaccum.sweep import run_point
 
 SIZES = {  # per device: images per timed run, micro-batch, effective batch, sweep sizes (fit / check)
@@ -92,7 +93,7 @@ def setup(p: dict[str, Any], device: torch.device, norm: str = "group", matmul_d
     model = build_model(
         **p.model.model_dump(), norm=norm, seed=p.seed, device=device, matmul_depthwise=matmul_depthwise
     )
-    dtype = amp_dtype(device, p.train)
+    dtype = AMP_DTYPES[amp(device.type, p.train)]
     return model, make_optimizer(model, lr=1e-4), make_scaler(device, dtype), dtype
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the rule for the micro-batch is torch-free: the report and the planner use it too
+    import torch
 
 WEIGHTINGS = ("exact", "divide")  # exact: each micro-batch's share of its window; divide: 1 / accum (the tutorial)
 

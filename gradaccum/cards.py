@@ -48,7 +48,7 @@ def answer(p: params.Params, variants: list[str], cards_gb: list[float], scale: 
             if need and need <= usable:
                 row[f"{card:g} GB"] = "fits"
                 continue
-            line = line or trace.variant_line(p, variant, scale)
+            line = line or trace.variant_line(p, trace.traced_spec(p, variant, scale, accum=1))  # any accum: a line
             accum = fitting_accum(p, variant, scale, planner.smallest_accum(line, usable, batch), usable)
             row[f"{card:g} GB"] = f"accum {accum}" if accum else "no"
         rows.append(row)

@@ -209,12 +209,13 @@ def one_step(p: Any, device: Any, snapshot: Path) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from gradaccum.loop import amp_dtype, make_optimizer, normalize
+    from gradaccum import spec
+    from gradaccum.loop import make_optimizer, normalize
     from gradaccum.memory import MIB
     from gradaccum.models import build_model
 
     cuda = device.type == "cuda"
-    dtype = amp_dtype(device, p.train)
+    dtype = spec.AMP_DTYPES[spec.amp(device.type, p.train)]
     model = build_model(**p.model.model_dump(), norm="batch", seed=p.seed, device=device)
     opt, scaler = make_optimizer(model, lr=1e-3), torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     images = torch.randint(0, 256, (1024, 28, 28), dtype=torch.uint8, device=device)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +20,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from gradaccum import distributed
-from gradaccum.accumulation import MicroBatch, micro_batch_size, schedule
-from gradaccum.params import Train
+from gradaccum.accumulation import MicroBatch, schedule
+
+if TYPE_CHECKING:
+    from gradaccum.spec import RunSpec
 
 EPOCH_COLUMNS = (
     "epoch",
@@ -33,18 +36,6 @@ EPOCH_COLUMNS = (
     "seconds",
 )
 STEP_COLUMNS = ("step", "epoch", "train_loss")  # train_loss: the mean over the step's window (samples of this epoch)
-AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": None}  # float32: no autocast
-
-
-def amp_dtype(device: torch.device, train: Train, precision: str = "default") -> torch.dtype | None:
-    """float16 needs a GradScaler (small gradients underflow); bfloat16 has float32's range and does not.
-
-    precision="other" is the precision lever: float32 where the default autocasts, else autocast.
-    """
-    default = AMP_DTYPES[train.amp_cuda if device.type == "cuda" else train.amp_cpu]
-    if precision == "default":
-        return default
-    return None if default is not None else (torch.float16 if device.type == "cuda" else torch.bfloat16)
 
 
 def make_optimizer(
@@ -134,42 +125,37 @@ def evaluate(
     return loss_sum / len(labels), correct / len(labels)
 
 
+@dataclass
+class Curves:
+    """What a run of the loop returns: a row per epoch (EPOCH_COLUMNS) and per optimizer step (STEP_COLUMNS)."""
+
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+
 def train(
     model: nn.Module,
     data: dict[str, torch.Tensor],
-    *,
-    lr: float,
-    weight_decay: float,
-    batch: int,
-    accum: int,
-    epochs: int,
+    spec: RunSpec,
     seed: int,
-    dtype: torch.dtype | None,
-    eval_batch: int,
-    weighting: str = "exact",
-    epoch_end_step: bool = True,
-    progress: bool = False,
     rank: int = 0,
-    world: int = 1,
-    step_rows: list[dict[str, Any]] | None = None,
     on_epoch: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None,
-) -> list[dict[str, Any]]:
+) -> Curves:
     """The whole run; per epoch: loss, test accuracy, steps and speed (evaluation not timed).
 
-    `weighting` and `epoch_end_step` other than the defaults reproduce the tutorial's loop (see `schedule`).
-    With world > 1, `model` is DDP-wrapped and each rank runs its share of every window.
-    `step_rows`, if given, gets a row per optimizer step (STEP_COLUMNS): the curve a few epochs hide.
-    `on_epoch`, if given, is called on rank 0 after each epoch with its row and its step rows (DVCLive).
+    `seed` orders the data (the model's own seed set its weights). The spec's `weighting` and `epoch_end_step`
+    other than the defaults reproduce the tutorial's loop (see `schedule`). With spec.world > 1, `model` is
+    DDP-wrapped and each rank runs its share of every window. `on_epoch`, if given, is called on rank 0 after
+    each epoch with its row and its step rows (DVCLive).
     """
-    device = data["train_x"].device
-    opt = make_optimizer(model, lr, weight_decay)
+    device, dtype = data["train_x"].device, spec.dtype
+    opt = make_optimizer(model, spec.lr, spec.weight_decay)
     scaler = make_scaler(device, dtype)
     n = len(data["train_y"])
-    micro = micro_batch_size(batch, accum * world)  # per rank: a window is accum x world micro-batches
-    plan = schedule(n, micro, accum, weighting, epoch_end_step, rank, world)  # same split every epoch
+    plan = schedule(n, spec.micro_batch, spec.accum, spec.weighting, spec.epoch_end_step, rank, spec.world)
     shuffle = torch.Generator().manual_seed(seed)
-    rows, done = [], 0  # done: optimizer steps of the epochs before
-    for epoch in tqdm(range(1, epochs + 1), desc="epochs", unit="epoch", disable=None if progress else True):
+    curves, progress = Curves(), rank == 0
+    for epoch in tqdm(range(1, spec.epochs + 1), desc="epochs", unit="epoch", disable=None if progress else True):
         perm = torch.randperm(n, generator=shuffle).to(device)
         start, losses = time.perf_counter(), []
         train_loss, steps, skipped = train_epoch(
@@ -179,29 +165,27 @@ def train(
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         test_loss, test_accuracy = evaluate(
-            distributed.unwrap(model), data["test_x"], data["test_y"], eval_batch, dtype
+            distributed.unwrap(model), data["test_x"], data["test_y"], spec.eval_batch, dtype
         )  # every rank alike, without DDP: no collective to wait on
+        done = len(curves.steps)
         epoch_steps = [{"step": done + 1 + i, "epoch": epoch, "train_loss": x} for i, x in enumerate(losses)]
-        done += len(losses)
-        if step_rows is not None:
-            step_rows += epoch_steps
-        rows.append(
-            {
-                "epoch": epoch,
-                "train_loss": train_loss,
-                "test_loss": test_loss,
-                "test_accuracy": test_accuracy,
-                "optimizer_steps": steps,
-                "skipped_steps": skipped,
-                "images_per_second": n / seconds,
-                "seconds": seconds,
-            }
-        )
+        curves.steps += epoch_steps
+        row = {
+            "epoch": epoch,
+            "train_loss": train_loss,
+            "test_loss": test_loss,
+            "test_accuracy": test_accuracy,
+            "optimizer_steps": steps,
+            "skipped_steps": skipped,
+            "images_per_second": n / seconds,
+            "seconds": seconds,
+        }
+        curves.epochs.append(row)
         if rank == 0:
             tqdm.write(
                 f"  epoch {epoch}: train loss {train_loss:.4f}  test acc {test_accuracy:.4f}  "
                 f"{n / seconds:.0f} img/s  {steps} steps ({skipped} skipped)"
             )
             if on_epoch is not None:
-                on_epoch(rows[-1], epoch_steps)
-    return rows
+                on_epoch(row, epoch_steps)
+    return curves

@@ -32,7 +32,7 @@ class ParamsError(BadInput, ValueError):
     """A params.yaml value the study cannot run with."""
 
 
-def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
+def fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
     raise ParamsError(f"params.yaml: {key} = {value!r} is not allowed; {allowed}")
 
 
@@ -275,25 +275,25 @@ def _message(error: dict[str, Any]) -> str:
 def check(values: Any, model_names: bool = True) -> Params:
     """Validate params (schema, then the rules that span keys); returns the typed model the code passes around."""
     if not isinstance(values, dict):
-        _fail("the top level", values, "expected a mapping of the keys " + ", ".join(Params.model_fields))
+        fail("the top level", values, "expected a mapping of the keys " + ", ".join(Params.model_fields))
     try:
         p = Params.model_validate(values, context={"model_names": model_names})
     except ValidationError as err:
         raise ParamsError(_message(err.errors()[0])) from None
     for name, variant in p.variants.items():
         if variant.checkpointing and variant.norm == "batch":
-            _fail(
+            fail(
                 f"variants.{name}.checkpointing",
                 True,
                 "BatchNorm under checkpointing updates its running statistics twice per forward (pytorch#96136); "
                 "use norm: group",
             )
         if variant.extra not in Params.model_fields:
-            _fail(f"variants.{name}.extra", variant.extra, "expected a top-level key, one of " + ", ".join(values))
+            fail(f"variants.{name}.extra", variant.extra, "expected a top-level key, one of " + ", ".join(values))
         if variant.accum == "accum" and variant.extra != "accum":
-            _fail(f"variants.{name}.extra", variant.extra, "a variant with accum: accum must have extra: accum")
+            fail(f"variants.{name}.extra", variant.extra, "a variant with accum: accum must have extra: accum")
     if p.seed + p.seeds > 2**32:
-        _fail("seeds", p.seeds, f"the seeds run from seed = {p.seed} up, so expected at most {2**32 - p.seed}")
+        fail("seeds", p.seeds, f"the seeds run from seed = {p.seed} up, so expected at most {2**32 - p.seed}")
     world = p.distributed.nproc_per_node
     for name in ("study", "cpu"):
         batch = p.scale_settings(name).batch
@@ -307,24 +307,14 @@ def check(values: Any, model_names: bool = True) -> Params:
 def check_accum(accum: Any, batch: int, batch_key: str, key: str = "accum", world: int = 1) -> None:
     """A window holds accum x world micro-batches of at least one sample: the effective batch must cover them."""
     if is_int(accum) and not 1 <= accum <= batch:
-        _fail(key, accum, f"expected an integer from 1 to the effective batch size ({batch_key} = {batch}), or auto")
+        fail(key, accum, f"expected an integer from 1 to the effective batch size ({batch_key} = {batch}), or auto")
     if is_int(accum) and accum * world > batch:
-        _fail(
+        fail(
             key,
             accum,
             f"{key} x distributed.nproc_per_node = {accum} x {world} micro-batches per window, more than the "
             f"effective batch ({batch_key} = {batch}) can split; lower one of them",
         )
-
-
-def check_distributed(p: Params, hardware: dict[str, Any]) -> None:
-    """The rules that need the machine: one process per visible GPU at most; SyncBatchNorm needs GPUs."""
-    nproc, sync_bn = p.distributed.nproc_per_node, p.distributed.sync_batchnorm
-    gpus = hardware.get("gpu", {}).get("count", 0) if hardware["device"] == "cuda" else 0
-    if hardware["device"] == "cuda" and nproc > gpus:
-        _fail("distributed.nproc_per_node", nproc, f"expected at most the {gpus} visible GPU(s), one process each")
-    if sync_bn and nproc > 1 and hardware["device"] != "cuda":
-        _fail("distributed.sync_batchnorm", sync_bn, "SyncBatchNorm runs on GPUs only; use false on the CPU")
 
 
 def load(path: Path = PARAMS_FILE, model_names: bool = True) -> Params:
@@ -380,20 +370,8 @@ def resolve_scale(p: Params, cuda: bool) -> str:
     if scale == "auto":
         return "study" if cuda else "cpu"
     if scale == "study" and not cuda:
-        _fail("scale", scale, "the study scale needs a CUDA GPU and none is visible; use auto or cpu")
+        fail("scale", scale, "the study scale needs a CUDA GPU and none is visible; use auto or cpu")
     return scale
-
-
-def variant_accum_steps(p: Params, variant: str, resolved_accum: int | None = None) -> int:
-    """The accumulation steps a variant runs with: its own integer, or the top-level accum (resolved if auto)."""
-    value = p.variants[variant].accum
-    if value != "accum":
-        return value
-    if p.accum == "auto":
-        if resolved_accum is None:
-            raise ParamsError("params.yaml: accum = 'auto' needs the memory planner's result (the sweep stage)")
-        return resolved_accum
-    return p.accum
 
 
 STEP_IRRELEVANT = {"lr", "extra"}  # the learning rate scales the update, not the step's time or memory

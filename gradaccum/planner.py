@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from gradaccum.accumulation import micro_batch_size
+
 GIB_MIB = 1024  # card sizes are in GB as vendors and nvidia-smi's MiB/1024 use them
 LEVERS = {"accumulation": False, "checkpointing": True}  # the sweep's two lines: activation checkpointing off, on
 
@@ -76,7 +78,7 @@ def smallest_accum(model: dict[str, float], budget_mib: float, batch: int) -> in
     if largest < 1:
         return None
     accum = math.ceil(batch / largest)
-    while math.ceil(batch / accum) > largest:  # ceil rounding can push the micro-batch one over
+    while micro_batch_size(batch, accum) > largest:  # ceil rounding can push the micro-batch one over
         accum += 1
     return accum
 
@@ -97,7 +99,7 @@ def options(
         accum = smallest_accum(model, budget_mib, batch)
         if accum is None:
             continue
-        micro = math.ceil(batch / accum)
+        micro = micro_batch_size(batch, accum)
         measured_micro, measured_speed = speeds[lever]
         rows.append(
             {
@@ -130,8 +132,8 @@ def card_table(
             "usable_mib": round(budget),
             "largest_micro_batch": largest_micro_batch(model, budget, batch),
             "smallest_accum": accum,
-            "micro_batch": math.ceil(batch / accum) if accum else None,
-            "predicted_peak_mib": round(predict_mib(model, math.ceil(batch / accum))) if accum else None,
+            "micro_batch": micro_batch_size(batch, accum) if accum else None,
+            "predicted_peak_mib": round(predict_mib(model, micro_batch_size(batch, accum))) if accum else None,
         }
         if fits and speeds:
             row["options"] = options(fits, speeds, budget, batch)  # fastest first

@@ -1,4 +1,5 @@
-"""What one variant's run measured: the record the train stage writes and the report reads, one type for both."""
+"""The records stages hand on, one type each for the stage that writes and the ones that read: the machine
+(data/hardware.json), the sweep's plan (reports/sweep/planner.json) and what one variant's run measured."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
+
+FORMAT = 1  # the records' format: raised when a field changes meaning, so a reader never guesses at an old one
 
 
 class Record(BaseModel):
@@ -58,6 +61,7 @@ class CudnnRun(Record):
 class VariantRecord(Record):
     """reports/variants/<variant>/metrics.json."""
 
+    format: Literal[1]  # FORMAT
     variant: str
     norm: Literal["batch", "group"]
     weighting: Literal["exact", "divide"]
@@ -65,7 +69,7 @@ class VariantRecord(Record):
     swap: Literal["keep_act", "plain"]
     checkpointing: bool = False
     precision: Literal["default", "other"] = "default"
-    cudnn: CudnnRun = CudnnRun()  # records from before the switch: PyTorch's defaults
+    cudnn: CudnnRun
     accum: int
     accum_setting: int | str  # what params.yaml said: an integer, or "auto" resolved into accum
     micro_batch: int
@@ -108,3 +112,69 @@ class VariantRecord(Record):
     @classmethod
     def read(cls, path: Path) -> VariantRecord:
         return cls.model_validate_json(Path(path).read_text())
+
+
+DEVICES = {"study": "cuda", "cpu": "cpu"}  # where each scale trains: its dtype, its kernels, its autocast policy
+
+
+class Facts(BaseModel):
+    """A record another stage wrote, typed where the code reads it; the facts kept for readers pass through."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class Cpu(Facts):
+    name: str
+    native_bfloat16: bool  # oneDNN's bfloat16 kernels; without them bfloat16 is emulated, many times slower
+
+
+class Gpu(Facts):
+    name: str
+    count: int
+    memory_total_mib: float
+
+
+class Hardware(Facts):
+    """data/hardware.json: the device and scale this checkout trains on."""
+
+    format: Literal[1]  # FORMAT
+    device: Literal["cpu", "cuda"]
+    scale: Literal["study", "cpu"]
+    cpu: Cpu
+    gpu: Gpu | None = None
+
+    @classmethod
+    def nominal(cls, scale: str) -> Hardware:
+        """The device a scale trains on, with every kernel it needs: for what is traced, not run (the trace)."""
+        cpu = Cpu(name="any", native_bfloat16=True)
+        return cls(format=FORMAT, device=DEVICES[scale], scale=scale, cpu=cpu)  # type: ignore[arg-type]
+
+
+class Line(Facts):
+    """A peak memory line in the micro-batch (planner.predict_mib reads it)."""
+
+    fixed_mib: float
+    per_sample_mib: float
+
+
+class Budget(Facts):
+    what: str
+    memory_mib: float
+    safety_margin: float
+
+
+class Plan(Facts):
+    """reports/sweep/planner.json: the sweep's lines and `accum: auto`, with and without checkpointing."""
+
+    format: Literal[1]  # FORMAT
+    fit: Line
+    fit_checkpointing: Line
+    auto_accum: int | None
+    auto_accum_checkpointing: int | None
+    this_machine: Budget
+
+    def line(self, checkpointing: bool) -> dict:
+        return (self.fit_checkpointing if checkpointing else self.fit).model_dump()
+
+    def auto(self, checkpointing: bool) -> int | None:
+        return self.auto_accum_checkpointing if checkpointing else self.auto_accum

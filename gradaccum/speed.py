@@ -14,55 +14,42 @@ from typing import Any
 
 import torch
 
-from gradaccum.accumulation import micro_batch_size, schedule
-from gradaccum.experiment import cudnn_settings, emulation_check, variant_accum, variant_model
-from gradaccum.loop import amp_dtype, make_optimizer, make_scaler, train_epoch
+from gradaccum.accumulation import schedule
+from gradaccum.experiment import cudnn_settings, variant_model
+from gradaccum.loop import make_optimizer, make_scaler, train_epoch
 from gradaccum.memory import is_out_of_memory
-from gradaccum.params import Params, step_twin
+from gradaccum.spec import RunSpec
 
 
-def prepare(p: Params, variant: str, hw: dict[str, Any], plan: dict[str, Any] | None, device: torch.device):
-    """The model, optimizer, scaler, dtype and schedule arguments of one variant, as its training builds them."""
-    v = p.variants[variant]
-    accum = variant_accum(p, variant, plan, hw["scale"])
-    dtype = amp_dtype(device, p.train, v.precision)
-    model = variant_model(p, variant, p.seed, device, sync_bn=False)  # one process: no DDP, no SyncBatchNorm
-    opt, scaler = make_optimizer(model, v.lr, p.train.weight_decay), make_scaler(device, dtype)
-    return model, opt, scaler, dtype, accum
-
-
-def time_variants(
-    p: Params, hw: dict[str, Any], data: dict[str, torch.Tensor], plan: dict[str, Any] | None, rounds: int, steps: int
-) -> dict[str, Any]:
+def time_variants(specs: list[RunSpec], data: dict[str, torch.Tensor], rounds: int, steps: int) -> dict[str, Any]:
     """images/s of every variant per round, interleaved; variants not run or out of memory say why; a variant
     whose step differs from an earlier one's only in its lr gets that one's rounds, named in `same_step_as`."""
     device = data["train_x"].device
-    batch = p.scale_settings(hw["scale"]).batch
+    batch = specs[0].batch
     n = steps * batch
     images, labels, order = data["train_x"][:n], data["train_y"][:n], torch.arange(n, device=device)
     arms, out = {}, {}
-    twins = {name: twin for name in p.variants if (twin := step_twin(p, name))}
-    for name, v in p.variants.items():
-        if name in twins:  # the same step as an earlier variant but for its lr: timed once, as that one
+    for spec in specs:
+        if spec.same_step_as:  # the same step as an earlier variant but for its lr: timed once, as that one
             continue
-        why = emulation_check(p, hw, amp_dtype(device, p.train, v.precision))
-        if why:  # decided before any model is built
-            out[name] = {"not_run": why}
+        if spec.not_run:  # decided before any model is built
+            out[spec.variant] = {"not_run": spec.not_run}
             continue
-        model, opt, scaler, dtype, accum = prepare(p, name, hw, plan, device)
-        plan_ = schedule(n, micro_batch_size(batch, accum), accum, v.weighting, v.epoch_end_step)
-        arms[name] = (model, opt, scaler, dtype, plan_, accum)
-        out[name] = {"accum": accum, "micro_batch": micro_batch_size(batch, accum), "images_per_s": []}
+        model = variant_model(spec, spec.seed, device)  # one process: no DDP, no SyncBatchNorm
+        opt, scaler = make_optimizer(model, spec.lr, spec.weight_decay), make_scaler(device, spec.dtype)
+        plan = schedule(n, spec.micro_batch, spec.accum, spec.weighting, spec.epoch_end_step)
+        arms[spec.variant] = (spec, model, opt, scaler, plan)
+        out[spec.variant] = {"accum": spec.accum, "micro_batch": spec.micro_batch, "images_per_s": []}
     names, compute = list(arms), 0.0
     for r in range(rounds + 1):  # round 0 warms every variant up (allocator, kernels) and is not kept
         for name in names[r % len(names) :] + names[: r % len(names)] if names else []:
             if "did_not_fit" in out[name]:
                 continue
-            model, opt, scaler, dtype, plan_, _ = arms[name]
+            spec, model, opt, scaler, plan = arms[name]
             try:
-                with cudnn_settings(p.variants[name].cudnn, device):  # as the variant trains (a GPU only)
+                with cudnn_settings(spec.cudnn, device):  # as the variant trains (a GPU only)
                     start = time.perf_counter()
-                    train_epoch(model, opt, scaler, images, labels, order, plan_, dtype)
+                    train_epoch(model, opt, scaler, images, labels, order, plan, spec.dtype)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     seconds = time.perf_counter() - start
@@ -79,14 +66,14 @@ def time_variants(
     for row in out.values():
         if row.get("images_per_s"):
             row["median_images_per_s"] = statistics.median(row["images_per_s"])
-    for name, twin in twins.items():
-        out[name] = out[twin] | {"same_step_as": twin}
-    out = {name: out[name] for name in p.variants}  # params.yaml's order
+    for spec in specs:
+        if spec.same_step_as:
+            out[spec.variant] = out[spec.same_step_as] | {"same_step_as": spec.same_step_as}
     return {
         "rounds": rounds,
         "steps": steps,
         "batch": batch,
-        "device": hw["device"],
-        "variants": out,
+        "device": specs[0].device,
+        "variants": {spec.variant: out[spec.variant] for spec in specs},  # params.yaml's order
         "compute_seconds": compute,
     }

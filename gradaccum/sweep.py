@@ -21,6 +21,7 @@ import psutil
 
 from gradaccum import params, planner
 from gradaccum.memory import MIB
+from gradaccum.records import FORMAT, Hardware
 from gradaccum.refusal import check_child
 
 POINT_COLUMNS = (
@@ -90,26 +91,26 @@ def run_point(
     raise SweepError(f"{what} failed with exit code {proc.returncode}:\n{tail}")
 
 
-def device_memory_mib(hw: dict[str, Any], p: params.Params) -> tuple[float, str]:
-    if hw["device"] == "cuda":
-        return float(hw["gpu"]["memory_total_mib"]), f"{hw['gpu']['name']} memory"
+def device_memory_mib(hw: Hardware, p: params.Params) -> tuple[float, str]:
+    if hw.gpu is not None and hw.device == "cuda":
+        return hw.gpu.memory_total_mib, f"{hw.gpu.name} memory"
     host = psutil.virtual_memory().total / MIB
     budget = p.memory.host_budget_gb * planner.GIB_MIB
     return min(host, budget), "host memory (min of RAM and memory.host_budget_gb)"
 
 
-def sweep(p: params.Params, hw: dict[str, Any], log: Any = print) -> dict[str, Any]:
+def sweep(p: params.Params, hw: Hardware, log: Any = print) -> dict[str, Any]:
     """Every point of the ladder, plain then with checkpointing; the fits and `accum: auto` from them.
 
     What `train` needs and nothing the report alone reads: the card table is built from this by the report,
     so a report-only setting (memory.cards_gb) re-runs the report only.
     """
-    scale = p.scale_settings(hw["scale"])
+    scale = p.scale_settings(hw.scale)
     rows = []
     for checkpointing in planner.LEVERS.values():  # the plain model, then with activation checkpointing
         for micro in scale.sweep_micro_batches:
             last = scale.train_samples % micro  # training's epoch ends with this short micro-batch
-            row = run_point(p, micro, hw["device"], checkpointing, test_samples=scale.test_samples, last=last)
+            row = run_point(p, micro, hw.device, checkpointing, test_samples=scale.test_samples, last=last)
             log(
                 f"sweep: micro-batch {micro}{' (checkpointing)' if checkpointing else ''}: "
                 + (f"peak {row['peak_mib']} MiB" if row["fit"] else f"did not fit ({row['error']})")
@@ -122,11 +123,12 @@ def sweep(p: params.Params, hw: dict[str, Any], log: Any = print) -> dict[str, A
     memory_mib, memory_what = device_memory_mib(hw, p)
     usable = memory_mib * (1 - p.memory.safety_margin)
     return {
-        "device": hw["device"],
-        "scale": hw["scale"],
+        "format": FORMAT,
+        "device": hw.device,
+        "scale": hw.scale,
         "batch": scale.batch,
         "measure": "reserved + CUDA context (what nvidia-smi shows)"
-        if hw["device"] == "cuda"
+        if hw.device == "cuda"
         else "peak RSS (host memory)",
         "fit": fits["accumulation"],
         "fit_checkpointing": fits["checkpointing"],

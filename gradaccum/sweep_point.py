@@ -16,10 +16,11 @@ import torch
 
 from gradaccum import params
 from gradaccum.accumulation import schedule
-from gradaccum.loop import amp_dtype, evaluate, make_optimizer, make_scaler, train_epoch
+from gradaccum.loop import evaluate, make_optimizer, make_scaler, train_epoch
 from gradaccum.memory import MIB, is_out_of_memory, peak_rss_mib
 from gradaccum.models import IMAGE_SIZE, ModelInputError, build_model, check_input
 from gradaccum.refusal import refuse
+from gradaccum.spec import AMP_DTYPES, amp
 from gradaccum.sweep import POINT_COLUMNS
 
 
@@ -34,11 +35,11 @@ def measure_point(
     """Optimizer steps of the real training loop at one micro-batch size (GroupNorm, accum 1), as training
     runs them: memory.sweep_steps steps and the epoch's short last micro-batch of `last` samples, an
     evaluation of `test_samples` images, the same again. Each shape the allocator serves leaves the heap
-    more fragmented and the next peak higher: the short micro-batch alone raised the peak at 256 by
-    ~25 MiB (1302 -> 1327 MiB, against 1314-1343 measured in training), the evaluation by ~20."""
+    more fragmented and the next peak higher, so a sweep without the short micro-batch and the evaluation
+    would predict a peak below the one training reaches."""
     steps = p.memory.sweep_steps
     model = build_model(**p.model.model_dump(), norm="group", seed=p.seed, checkpointing=checkpointing, device=device)
-    dtype = amp_dtype(device, p.train)
+    dtype = AMP_DTYPES[amp(device.type, p.train)]
     opt, scaler = make_optimizer(model, lr=1e-4), make_scaler(device, dtype)
     n = micro * steps + last
     images = torch.randint(0, 256, (n, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8, device=device)

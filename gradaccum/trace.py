@@ -34,11 +34,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _UpdateType
 
 from gradaccum import allocator, autocast_policy
-from gradaccum.accumulation import micro_batch_size
-from gradaccum.loop import amp_dtype, make_optimizer, normalize
+from gradaccum.loop import make_optimizer, normalize
 from gradaccum.memory import MIB
 from gradaccum.models import IMAGE_SIZE, build_model
-from gradaccum.params import Params, set_values, step_twin, variant_accum_steps
+from gradaccum.params import Model, Params, set_values, step_twin
+from gradaccum.records import DEVICES, Hardware
+from gradaccum.spec import AMP_DTYPES, AutoUndecided, RunSpec, amp, resolve
 from gradaccum.tutorial import CLAIMS
 
 KINDS = {  # MemTracker's names for what holds memory -> ours
@@ -50,7 +51,6 @@ KINDS = {  # MemTracker's names for what holds memory -> ours
     "Temp": "temporaries",
     "Other": "data",
 }
-DEVICES = {"study": "cuda", "cpu": "cpu"}  # where each scale trains: its dtype, its model's kernels, its policy
 
 
 class PeakTracker(MemTracker):
@@ -191,14 +191,14 @@ def quiet_native_stderr() -> Iterator[None]:
 
 
 def builder(
-    p: Params, device_type: str, norm: str, swap: str = "keep_act", checkpointing: bool = False
+    model: Model, seed: int, device_type: str, norm: str, swap: str = "keep_act", checkpointing: bool = False
 ) -> Callable[[], nn.Module]:
     """The model as `device_type` trains it: on the CPU with matrix-product depthwise convolutions."""
     return partial(
         build_model,
-        **p.model.model_dump(),
+        **model.model_dump(),
         norm=norm,
-        seed=p.seed,
+        seed=seed,
         swap=swap,
         checkpointing=checkpointing,
         device="cpu",
@@ -206,9 +206,8 @@ def builder(
     )
 
 
-def variant_builder(p: Params, variant: str, device_type: str) -> Callable[[], nn.Module]:
-    v = p.variants[variant]
-    return builder(p, device_type, v.norm, v.swap, v.checkpointing)
+def variant_builder(spec: RunSpec) -> Callable[[], nn.Module]:
+    return builder(spec.model, spec.seed, spec.device, spec.norm, spec.swap, spec.checkpointing)
 
 
 def with_fast_norm(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -227,6 +226,14 @@ def with_fast_norm(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     return make
 
 
+def traced_spec(p: Params, variant: str, scale: str, accum: int | None = None) -> RunSpec | None:
+    """The variant's spec as its scale's device would run it; None where accum: auto leaves the step undecided."""
+    try:
+        return resolve(p, variant, Hardware.nominal(scale), accum=accum)
+    except AutoUndecided:
+        return None
+
+
 def trace_variant(
     p: Params,
     variant: str,
@@ -239,21 +246,18 @@ def trace_variant(
     """The traced peak of one variant at one scale, with its breakdown; `allocated` adds the real CPU run's;
     `accum` traces it at that many micro-batches instead of its own; `fast_norm` with timm's fast norm; `native`
     (the study scale, on a machine with a CUDA driver) under CUDA's own autocast instead of its emulation."""
-    s, device_type = p.scale_settings(scale), DEVICES[scale]
     row: dict[str, Any] = {"variant": variant, "scale": scale}
-    if accum is None and p.variants[variant].accum == "accum" and p.accum == "auto":  # decided on the device
+    spec = traced_spec(p, variant, scale, accum)
+    if spec is None:
         return row | {"note": "accum: auto is decided on the device that runs it; see python -m gradaccum.cards"}
-    accum = accum or variant_accum_steps(p, variant)
-    micro = micro_batch_size(s.batch, accum)
-    dtype = amp_dtype(torch.device(device_type), p.train, p.variants[variant].precision)
-    build = variant_builder(p, variant, device_type)
-    build = with_fast_norm(build) if fast_norm else build
-    args = (build, micro, accum, p.model.num_classes, dtype, s.train_samples + s.test_samples)
-    row |= {"accum": accum, "micro_batch": micro, "amp": str(dtype).replace("torch.", "") if dtype else "float32"}
+    build = with_fast_norm(variant_builder(spec)) if fast_norm else variant_builder(spec)
+    args = (build, spec.micro_batch, spec.accum, spec.model.num_classes, spec.dtype)
+    data = spec.train_samples + spec.test_samples
+    row |= {"accum": spec.accum, "micro_batch": spec.micro_batch, "amp": spec.amp}
     row |= {"fast_norm": True} if fast_norm else {}
-    row |= trace_step(*args, policy=autocast_policy.NATIVE_CUDA if native else device_type)
+    row |= trace_step(*args, data, policy=autocast_policy.NATIVE_CUDA if native else spec.device)
     if allocated:
-        row["allocated_peak_mib"] = allocated_peak_mib(*args)
+        row["allocated_peak_mib"] = allocated_peak_mib(*args, data)
     return row
 
 
@@ -309,18 +313,16 @@ def scale_line(p: Params, scale: str, build: Callable[[], nn.Module], dtype: tor
     return peak_line(build, dtype, micros, p.model.num_classes, data, DEVICES[scale])
 
 
-def variant_line(p: Params, variant: str, scale: str) -> dict[str, Any]:
+def variant_line(p: Params, spec: RunSpec) -> dict[str, Any]:
     """`scale_line` of the variant's model and precision (gradaccum.cards)."""
-    device = torch.device(DEVICES[scale])
-    dtype = amp_dtype(device, p.train, p.variants[variant].precision)
-    return scale_line(p, scale, variant_builder(p, variant, device.type), dtype)
+    return scale_line(p, spec.scale, variant_builder(spec), spec.dtype)
 
 
 def lever_line(p: Params, scale: str, checkpointing: bool) -> dict[str, Any]:
     """`scale_line` of the GroupNorm model at the default precision: the planner's two levers, as the sweep's."""
-    device = torch.device(DEVICES[scale])
-    build = builder(p, device.type, "group", checkpointing=checkpointing)
-    return scale_line(p, scale, build, amp_dtype(device, p.train))
+    device = DEVICES[scale]
+    build = builder(p.model, p.seed, device, "group", checkpointing=checkpointing)
+    return scale_line(p, scale, build, AMP_DTYPES[amp(device, p.train)])
 
 
 TUTORIAL_VARIANTS = ("baseline", "tutorial_accumulation")  # the variants whose GPU figures the tutorial gave

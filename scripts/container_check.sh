@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The study's image, built and run for real, as a user types the README's commands (issue 31):
+# The study's image, built and run for real, as a user types the README's commands:
 #   sudo bash scripts/container_check.sh        # or from .ci/run, as root
 # 1. starts a Docker engine if none answers (host networking only: no bridge, no iptables, nothing on TCP);
 # 2. makes a local Debian bookworm base once (mmdebstrap, trusting this host's extra CA certificates), for a

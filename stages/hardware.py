@@ -11,7 +11,9 @@ import torch
 from gradaccum import mnist, models, params
 from gradaccum.machine import describe, unusable_gpu
 from gradaccum.outputs import write_json
+from gradaccum.records import FORMAT, Hardware
 from gradaccum.refusal import BadInput, refuse
+from gradaccum.spec import check_distributed
 from stages.paths import HARDWARE
 
 
@@ -21,9 +23,11 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if not cuda and p.scale != "cpu" and (why := unusable_gpu()):  # not the CPU scale in silence on a GPU host
         raise BadInput(why)
-    info = describe(cuda)
+    info = {"format": FORMAT} | describe(cuda)
     info["scale"] = params.resolve_scale(p, cuda)
-    params.check_distributed(p, info)  # here, before any long stage: more processes than GPUs, SyncBatchNorm on a CPU
+    check_distributed(
+        p, Hardware.model_validate(info)
+    )  # here, before any long stage: more processes than GPUs, SyncBatchNorm on a CPU
     scale = p.scale_settings(info["scale"])  # the batches against the scale's images; the data's own count: sweep
     mnist.check_batch(info["scale"], scale.batch, scale.train_samples, steps=p.speed.steps)
     write_json(HARDWARE, info)

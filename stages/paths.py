@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from gradaccum.outputs import read_input
+from pydantic import BaseModel, ValidationError
+
+from gradaccum.outputs import MissingInput, read_input
+from gradaccum.records import Hardware, Plan
+
+T = TypeVar("T", bound=BaseModel)
 
 HARDWARE = Path("data/hardware.json")
 RAW_DIR = Path("data/raw")  # verified downloads, kept (git-ignored) so a re-run needs no network
@@ -32,6 +37,7 @@ def live_dir(variant: str) -> Path:
 def weights_path(variant: str) -> Path:
     return Path("data/models") / f"{variant}.pt"
 
+
 # The stage that makes each file another stage reads: what a missing input's one line tells the user to run.
 MADE_BY = {
     HARDWARE: "hardware",
@@ -51,3 +57,26 @@ def read(path: Path) -> Any:
 def read_if_there(path: Path) -> Any:
     """An input a stage can do without (the planner's result unless accum is auto; the report's optional parts)."""
     return read(path) if path.exists() else None
+
+
+def hardware() -> Hardware:
+    """data/hardware.json, typed: the device and scale this checkout trains on."""
+    return typed(HARDWARE, Hardware)
+
+
+def sweep_plan() -> Plan | None:
+    """reports/sweep/planner.json, typed, where the sweep has run (train needs it only for accum: auto)."""
+    return typed(SWEEP_PLAN, Plan) if SWEEP_PLAN.exists() else None
+
+
+def typed(path: Path, model: type[T]) -> T:
+    """A stage's JSON input read into its type; one written by other code says so in one line."""
+    try:
+        return model.model_validate(read(path))
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise MissingInput(
+            f"{path}: {where}: {first['msg'].lower()}, not what this code reads: `dvc repro -f {MADE_BY[path]}` "
+            "makes it again"
+        ) from None

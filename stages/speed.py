@@ -11,20 +11,20 @@ from gradaccum import mnist, models, params
 from gradaccum.machine import process_seconds
 from gradaccum.outputs import write_json
 from gradaccum.refusal import BadInput, refuse
+from gradaccum.spec import resolve
 from gradaccum.speed import time_variants
-from stages.paths import DATASET, HARDWARE, SPEED, SWEEP_PLAN, read, read_if_there
+from stages.paths import DATASET, SPEED, hardware, sweep_plan
 
 
 def main() -> None:
     p = params.load()
-    hw = read(HARDWARE)
+    hw, plan = hardware(), sweep_plan()
     models.check_input(p.model)  # the checks that apply here, for a run of this stage alone
-    plan = read_if_there(SWEEP_PLAN)
-    scale = p.scale_settings(hw["scale"])
-    mnist.check_batch(hw["scale"], scale.batch, scale.train_samples, DATASET, steps=p.speed.steps)
-    n = p.speed.steps * scale.batch
-    data = mnist.load_tensors(DATASET, torch.device(hw["device"]), n, 0)
-    result = time_variants(p, hw, data, plan, p.speed.rounds, p.speed.steps)
+    specs = [resolve(p, variant, hw, plan) for variant in p.variants]  # one process: world size 1
+    batch = specs[0].batch
+    mnist.check_batch(hw.scale, batch, specs[0].train_samples, DATASET, steps=p.speed.steps)
+    data = mnist.load_tensors(DATASET, torch.device(hw.device), p.speed.steps * batch, 0)
+    result = time_variants(specs, data, p.speed.rounds, p.speed.steps)
     write_json(SPEED, result | {"stage_seconds": process_seconds()})
     for name, row in result["variants"].items():
         print(f"speed@{name}: {row.get('median_images_per_s') or row.get('not_run') or row.get('did_not_fit')}")

@@ -12,15 +12,15 @@ from gradaccum.machine import process_seconds
 from gradaccum.outputs import write_json, write_table
 from gradaccum.refusal import BadInput, refuse
 from gradaccum.sweep import POINT_COLUMNS, SweepError, sweep
-from stages.paths import DATASET, HARDWARE, SWEEP_PLAN, SWEEP_POINTS, read
+from stages.paths import DATASET, SWEEP_PLAN, SWEEP_POINTS, hardware
 
 
 def main() -> None:
     p = params.load()
-    hw = read(HARDWARE)
+    hw = hardware()
     models.check_input(p.model)  # refused here, in seconds, not by the first point
-    scale = p.scale_settings(hw["scale"])  # as train refuses it, before the points run (a minute or more)
-    mnist.check_batch(hw["scale"], scale.batch, scale.train_samples, DATASET)
+    scale = p.scale_settings(hw.scale)  # as train refuses it, before the points run (a minute or more)
+    mnist.check_batch(hw.scale, scale.batch, scale.train_samples, DATASET)
     plan = sweep(p, hw, log=lambda line: print(line, flush=True))
     write_table(SWEEP_POINTS, plan["points"], POINT_COLUMNS)
     write_json(SWEEP_PLAN, plan | {"stage_seconds": process_seconds()})

@@ -14,21 +14,21 @@ from pathlib import Path
 import torch
 
 from gradaccum import distributed, mnist, models, params
-from gradaccum.experiment import VariantRun, run_variant, variant_accum
+from gradaccum.experiment import VariantRun, run_variant
 from gradaccum.live import LiveCurves, ensure_outputs
 from gradaccum.loop import EPOCH_COLUMNS, STEP_COLUMNS
 from gradaccum.machine import process_seconds
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import atomic_path, read_json, write_json, write_table, write_text
 from gradaccum.refusal import BadInput, refuse
+from gradaccum.spec import check_distributed, resolve
 from stages.paths import (
     DATASET,
-    HARDWARE,
     PROVENANCE,
-    SWEEP_PLAN,
+    hardware,
     live_dir,
     read,
-    read_if_there,
+    sweep_plan,
     variant_dir,
     weights_path,
 )
@@ -36,23 +36,19 @@ from stages.paths import (
 
 def main(variant: str, memory_snapshot: Path | None = None) -> None:
     p = params.load()
-    if variant not in p.variants:
-        raise params.ParamsError(f"variant {variant!r} is not in params.yaml variants: {', '.join(p.variants)}")
-    hw = read(HARDWARE)
-    plan = read_if_there(SWEEP_PLAN)
-    variant_accum(p, variant, plan, hw["scale"])  # a bad accum stops here, before torchrun starts anything
-    models.check_input(p.model)  # so does a model that cannot take the images
-    params.check_distributed(p, hw)
-    scale = p.scale_settings(hw["scale"])
-    mnist.check_batch(hw["scale"], scale.batch, scale.train_samples, DATASET)
-    dataset = read(PROVENANCE)["kind"]  # read now: a missing one is said before training, not after it
+    hw, plan = hardware(), sweep_plan()
     nproc = p.distributed.nproc_per_node
+    spec = resolve(p, variant, hw, plan, nproc)  # a bad accum stops here, before torchrun starts anything
+    models.check_input(p.model)  # so does a model that cannot take the images
+    check_distributed(p, hw)
+    mnist.check_batch(spec.scale, spec.batch, spec.train_samples, DATASET)
+    dataset = read(PROVENANCE)["kind"]  # read now: a missing one is said before training, not after it
     if nproc > 1 and not distributed.launched():  # one process per device, started by torchrun
         sys.exit(relaunched(variant, nproc))
-    rank, world, device = distributed.setup(hw["device"])
-    data = mnist.load_tensors(DATASET, device, scale.train_samples, scale.test_samples)
+    rank, _, device = distributed.setup(spec.device)
+    data = mnist.load_tensors(DATASET, device, spec.train_samples, spec.test_samples)
     live = LiveCurves(live_dir(variant)) if rank == 0 else None  # the curves as it trains (dvc exp show)
-    run = run_variant(p, variant, hw, data, plan, rank, world, memory_snapshot, on_epoch=live)
+    run = run_variant(spec, data, rank, memory_snapshot, on_epoch=live)
     if live is not None:
         live.close()
     if run.alone:  # out of memory here while the other ranks wait: record it, then fail so torchrun stops them
@@ -81,9 +77,7 @@ def relaunched(variant: str, nproc: int) -> int:
 def write_outputs(variant: str, run: VariantRun, dataset: str) -> None:
     """Metrics last: their presence says that the rest is there."""
     sampler = run.sampler
-    record = run.record.model_copy(
-        update={"dataset": dataset, "stage_seconds": process_seconds()}
-    )
+    record = run.record.model_copy(update={"dataset": dataset, "stage_seconds": process_seconds()})
     out = variant_dir(variant)
     ensure_outputs(live_dir(variant))  # what dvc.yaml declares, for a variant that did not run or fit too
     write_table(out / "epochs.tsv", run.epochs, EPOCH_COLUMNS)

@@ -150,7 +150,7 @@ def forward_calls(build: Any, device: str, rules: str) -> list[tuple[str, tuple[
 def test_every_call_of_the_study_models_gets_the_dtype_cuda_autocast_gives_it(variant: str) -> None:
     """Both norms, both swaps, checkpointing: call by call, the emulation's output dtypes are those of PyTorch's
     real CUDA autocast kernels (on fake CUDA tensors); the CPU's own policy differs wherever GroupNorm runs."""
-    build = trace.variant_builder(params.load(ROOT / "params.yaml"), variant, "cuda")
+    build = trace.variant_builder(trace.traced_spec(params.load(ROOT / "params.yaml"), variant, "study"))
     cuda = forward_calls(build, "cuda", "real")
     assert forward_calls(build, "cpu", "emulated") == cuda
     norms = {dtypes for name, dtypes in cuda if name in ("group_norm", "batch_norm")}
@@ -162,7 +162,7 @@ def test_every_call_of_the_study_models_gets_the_dtype_cuda_autocast_gives_it(va
 
 
 def test_checkpointings_recompute_in_backward_keeps_cudas_policy() -> None:
-    build = trace.variant_builder(params.load(ROOT / "params.yaml"), "accum_checkpointing", "cuda")
+    build = trace.variant_builder(trace.traced_spec(params.load(ROOT / "params.yaml"), "accum_checkpointing", "study"))
     with autocast_policy.cuda_policy(), FakeTensorMode():
         model = build()
         with torch.autocast("cpu", dtype=torch.float16):

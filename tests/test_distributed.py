@@ -18,7 +18,9 @@ from ddp_worker import CASES, tiny_model, window_data
 from gradaccum import params
 from gradaccum.accumulation import micro_batch_size, relative_difference, schedule, windows
 from gradaccum.loop import normalize
+from gradaccum.records import Hardware
 from gradaccum.refusal import REFUSED
+from gradaccum.spec import check_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("ddp_worker.py")
@@ -105,6 +107,12 @@ def test_rank_weights_average_to_the_window_mean(n: int, micro: int, accum: int,
         assert all(mbs and mbs[-1].step for mbs in ranks), w
 
 
+def machine(device: str, gpus: int = 0) -> Hardware:
+    gpu = {"gpu": {"name": "a GPU", "count": gpus, "memory_total_mib": 81559}} if gpus else {}
+    cpu = {"name": "a CPU", "native_bfloat16": True}
+    return Hardware.model_validate({"format": 1, "device": device, "scale": "cpu", "cpu": cpu} | gpu)
+
+
 def test_validation_names_the_keys_when_the_batch_cannot_be_split() -> None:
     raw = params.read(ROOT / "params.yaml")
     raw["distributed"]["nproc_per_node"] = 100
@@ -115,12 +123,12 @@ def test_validation_names_the_keys_when_the_batch_cannot_be_split() -> None:
     assert "effective batch (scales.cpu.batch = 256)" in msg
     raw["distributed"]["nproc_per_node"] = 2
     with pytest.raises(params.ParamsError, match=r"distributed.nproc_per_node = 2 is not allowed; expected at most"):
-        params.check_distributed(params.check(raw), {"device": "cuda", "gpu": {"count": 1}})
+        check_distributed(params.check(raw), machine("cuda", 1))
     raw["distributed"]["sync_batchnorm"] = True
     p = params.check(raw)
     with pytest.raises(params.ParamsError, match="distributed.sync_batchnorm = True is not allowed; SyncBatchNorm"):
-        params.check_distributed(p, {"device": "cpu"})
-    params.check_distributed(p, {"device": "cuda", "gpu": {"count": 2}})
+        check_distributed(p, machine("cpu"))
+    check_distributed(p, machine("cuda", 2))
 
 
 def test_hardware_stage_refuses_syncbatchnorm_on_the_cpu_before_any_work(workdir: Path) -> None:
@@ -230,7 +238,7 @@ def test_out_of_memory_in_one_rank_of_two_is_a_result(workdir: Path, tmp_path_fa
     arrays |= {"test_x": arrays["train_x"][:32], "test_y": arrays["train_y"][:32]}
     mnist.save({k: v.astype(np.uint8) for k, v in arrays.items()}, workdir / "data/dataset.npz")
     write_json(workdir / "data/provenance.json", {"kind": "fallback"})
-    write_json(workdir / "data/hardware.json", {"device": "cpu", "scale": "cpu"})
+    write_json(workdir / "data/hardware.json", machine("cpu").model_dump())
     text = (workdir / "params.yaml").read_text().replace("nproc_per_node: 1 ", "nproc_per_node: 2 ")
     text = text.replace("train_samples: 4000", f"train_samples: {n}").replace("batch: 256", f"batch: {n}")
     (workdir / "params.yaml").write_text(text)

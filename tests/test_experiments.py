@@ -75,3 +75,22 @@ def test_the_exp_show_line_keeps_seeds_and_is_the_readmes() -> None:
     kept = [c for c in columns if re.search(keep, c)]
     assert kept == ["Experiment", "accum", "seeds", "memory_ratio", "accumulation.peak_mib", "baseline.loss"]
     assert line in (ROOT / "README.md").read_text()  # one command, in both places
+
+
+def numbers(value: object) -> int:
+    if isinstance(value, dict):
+        return sum(numbers(v) for v in value.values())
+    return int(isinstance(value, int | float) and not isinstance(value, bool))
+
+
+def test_dvc_exp_show_compares_the_reports_few_numbers_only() -> None:
+    """Every metrics file a stage declares is a column group of `dvc exp show`: only the report's summary is one,
+    and it holds at most 40 numbers (DVCLive's live values per variant would add about seven each)."""
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    declared = []
+    for stage in dvc["stages"].values():
+        for entry in stage.get("do", stage).get("metrics", []):
+            declared.append(next(iter(entry)) if isinstance(entry, dict) else entry)
+    assert declared == ["reports/metrics.json"]
+    summary = yaml.safe_load((ROOT / "reports/metrics.json").read_text())
+    assert 20 <= numbers(summary) <= 40

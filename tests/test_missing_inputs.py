@@ -14,14 +14,14 @@ import pytest
 import yaml
 
 from gradaccum import mnist, params
-from gradaccum.loop import EPOCH_COLUMNS
+from gradaccum.loop import EPOCH_COLUMNS, STEP_COLUMNS
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import write_json
-from gradaccum.records import MemoryPeaks, VariantRecord
+from gradaccum.records import CudnnRun, MemoryPeaks, VariantRecord
 from gradaccum.refusal import REFUSED
 
 TINY = ["scales.cpu.train_samples=64", "scales.cpu.test_samples=32", "scales.cpu.batch=32", "scales.cpu.epochs=1"]
-HARDWARE = {"device": "cpu", "scale": "cpu", "cpu": {"name": "test", "cores": 2, "native_bfloat16": False}}
+HARDWARE = {"format": 1, "device": "cpu", "scale": "cpu", "cpu": {"name": "test", "cores": 2, "native_bfloat16": False}}
 # What each stage reads that another stage makes, and that stage (what the line must tell the user to run).
 INPUTS = {
     "sweep": {"data/hardware.json": "hardware", "data/dataset.npz": "download"},
@@ -60,11 +60,15 @@ def inputs_in_place(workdir: Path) -> None:
     write_json(workdir / "data/provenance.json", {"kind": "local", "dataset": "mnist"})
     images, labels = np.zeros((100, 28, 28), np.uint8), np.arange(100, dtype=np.uint8) % 10
     mnist.save({"train_x": images, "train_y": labels, "test_x": images, "test_y": labels}, workdir / "data/dataset.npz")
-    for name in ("reports/sweep/planner.json", "reports/trace.json", "reports/speed.json", "reports/gradcheck.json"):
+    line, budget = {"fixed_mib": 100.0, "per_sample_mib": 1.0}, {"what": "RAM", "memory_mib": 9e9, "safety_margin": 0}
+    plan = {"format": 1, "fit": line, "fit_checkpointing": line, "auto_accum": 1, "auto_accum_checkpointing": 1}
+    write_json(workdir / "reports/sweep/planner.json", plan | {"this_machine": budget})
+    for name in ("reports/trace.json", "reports/speed.json", "reports/gradcheck.json"):
         write_json(workdir / name, {})
     folder = workdir / "reports/variants/baseline"
     folder.mkdir(parents=True)
     record = VariantRecord(
+        format=1, cudnn=CudnnRun(),
         variant="baseline", norm="batch", weighting="exact", epoch_end_step=True, swap="keep_act", accum=1,
         accum_setting=1, micro_batch=32, batch=32, lr=1e-3, scale="cpu", device="cpu", amp="float32",
         train_samples=64, test_samples=32, parameters=1, fit=True, optimizer_steps=2, skipped_steps=0,
@@ -74,6 +78,7 @@ def inputs_in_place(workdir: Path) -> None:
     write_json(folder / "metrics.json", record.model_dump(mode="json"))
     (folder / "epochs.tsv").write_text("\t".join(EPOCH_COLUMNS) + "\n")
     (folder / "memory.csv").write_text(",".join(TIMELINE_COLUMNS) + "\n")
+    (folder / "steps.tsv").write_text("\t".join(STEP_COLUMNS) + "\n")
 
 
 @pytest.mark.parametrize(("stage", "path", "maker", "how"), CASES, ids=lambda v: str(v))

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gradaccum import params
+from gradaccum import params, spec
+from gradaccum.records import Plan
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -198,12 +199,20 @@ def test_scale_resolution() -> None:
 
 def test_variant_accum_follows_top_level_key() -> None:
     p = params.check(with_change("accum", 8))
-    assert params.variant_accum_steps(p, "accumulation") == 8
-    assert params.variant_accum_steps(p, "baseline") == 1
+    assert spec.variant_accum(p, "accumulation", None, "cpu", 1) == 8
+    assert spec.variant_accum(p, "baseline", None, "cpu", 1) == 1
     auto = params.check(with_change("accum", "auto"))
-    assert params.variant_accum_steps(auto, "accumulation", resolved_accum=3) == 3
+    line = {"fixed_mib": 100.0, "per_sample_mib": 1.0}
+    budget = {"what": "host memory", "memory_mib": 1000.0, "safety_margin": 0.1}
+    autos = {"auto_accum": 3, "auto_accum_checkpointing": 2}
+    plan = Plan(format=1, fit=line, fit_checkpointing=line, this_machine=budget, **autos)
+    assert spec.variant_accum(auto, "accumulation", plan, "cpu", 1) == 3
+    assert spec.variant_accum(auto, "accum_checkpointing", plan, "cpu", 1) == 2
     with pytest.raises(params.ParamsError, match="accum = 'auto' needs the memory planner"):
-        params.variant_accum_steps(auto, "accumulation")
+        spec.variant_accum(auto, "accumulation", None, "cpu", 1)
+    nothing = plan.model_copy(update={"auto_accum": None})
+    with pytest.raises(params.ParamsError, match=r"finds nothing that fits \(accumulation\).* 900 MiB"):
+        spec.variant_accum(auto, "accumulation", nothing, "cpu", 1)
 
 
 def test_a_variant_that_differs_only_in_its_lr_shares_its_step() -> None:

@@ -72,6 +72,9 @@ def stage_outs(stage: str, variant: str = "accumulation") -> list[str]:
     return [o.replace("${key}", variant) for o in outs]
 
 
+CPU = {"name": "a CPU", "native_bfloat16": True}  # the hardware record's CPU facts the stages read
+
+
 def run_stage(workdir: Path, stage: str, changes: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
     """The stage's `__main__` in workdir (the cwd) with params.yaml changed, the CPU hardware record (made by the
     hardware stage otherwise) and a dataset of IMAGES training images (made by download otherwise) in place;
@@ -80,7 +83,7 @@ def run_stage(workdir: Path, stage: str, changes: list[str], monkeypatch: pytest
     (workdir / "params.yaml").write_text(yaml.safe_dump(params.assign(values, changes), sort_keys=False))
     (workdir / "data").mkdir(exist_ok=True)
     if ORDER.index(stage) > ORDER.index("hardware"):
-        write_json(workdir / "data/hardware.json", {"device": "cpu", "scale": "cpu"})
+        write_json(workdir / "data/hardware.json", {"format": 1, "device": "cpu", "scale": "cpu", "cpu": CPU})
     if ORDER.index(stage) > ORDER.index("download"):
         images, labels = np.zeros((IMAGES, 28, 28), np.uint8), np.zeros(IMAGES, np.uint8)
         arrays = {"train_x": images, "train_y": labels, "test_x": images, "test_y": labels}

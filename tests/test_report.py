@@ -80,6 +80,8 @@ def variant_outputs(
     else:
         memory["rss_peak_mib"] = peak
     metrics = {
+        "format": 1,
+        "cudnn": {},
         "variant": name,
         "norm": norm,
         **(
@@ -149,6 +151,7 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
         (root / "params.yaml").write_text((root / "params.yaml").read_text().replace("\nseeds: 1 ", "\nseeds: 3 "))
     batch = 32768 if device == "cuda" else 1024
     hw = {
+        "format": 1,
         "device": device,
         "scale": "study" if device == "cuda" else "cpu",
         "cpu": {"name": "Test CPU", "cores": 2, "torch_threads": 2, "native_bfloat16": False},
@@ -680,8 +683,9 @@ def test_the_46_percent_claim_is_judged_by_one_tolerance_on_every_row(tensors_gi
 def test_a_gpu_run_at_another_accum_is_not_held_to_the_tutorials_figure() -> None:
     base = VariantRecord.model_validate(
         {
-            "variant": "accumulation", "norm": "group", "weighting": "exact", "epoch_end_step": True,
-            "swap": "keep_act", "accum": 8, "accum_setting": 8, "micro_batch": 4096, "batch": 32768, "lr": 3e-4,
+            "format": 1, "variant": "accumulation", "norm": "group", "weighting": "exact", "epoch_end_step": True,
+            "swap": "keep_act", "cudnn": {}, "accum": 8, "accum_setting": 8, "micro_batch": 4096, "batch": 32768,
+            "lr": 3e-4,
             "scale": "study", "device": "cuda", "amp": "float16", "train_samples": 60000, "test_samples": 10000,
             "parameters": 1, "fit": True, "optimizer_steps": 2, "skipped_steps": 0, "train_seconds": 1.0,
             "memory": {"samples": 1, "interval_ms": 200, "rss_peak_mib": 1.0, "nvidia_smi_peak_mib": 5000.0},

@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 
 from gradaccum import params
+from gradaccum.records import Cpu, Hardware
 from gradaccum.report.tables import speed_ratios
+from gradaccum.spec import resolve
 from gradaccum.speed import time_variants
 
 
@@ -16,8 +18,8 @@ def test_every_variant_is_timed_in_every_round(workdir: Path) -> None:
     (workdir / "params.yaml").write_text(text)
     p = params.load()
     data = {"train_x": torch.randint(0, 256, (8, 28, 28), dtype=torch.uint8), "train_y": torch.arange(8) % 10}
-    hw = {"device": "cpu", "scale": "cpu", "cpu": {"native_bfloat16": False}}
-    result = time_variants(p, hw, data, None, rounds=2, steps=1)
+    hw = Hardware(format=1, device="cpu", scale="cpu", cpu=Cpu(name="a CPU", native_bfloat16=False))
+    result = time_variants([resolve(p, v, hw) for v in p.variants], data, rounds=2, steps=1)
     assert set(result["variants"]) == set(p.variants) and result["compute_seconds"] > 0
     for name, row in result["variants"].items():
         if name == "groupnorm_precision":  # bfloat16 on a CPU that would emulate it: not run, as in training

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gradaccum import params
+from gradaccum.records import Hardware
 from gradaccum.refusal import Refused
 from gradaccum.sweep import SweepError, run_point
 
@@ -105,7 +106,7 @@ def test_the_sweep_asks_each_point_for_the_training_remainder(p: params.Params, 
     small = params.set_values(
         p.model_dump(), ["scales.cpu.train_samples=1000", "scales.cpu.sweep_micro_batches=[64, 256]"]
     )
-    plan = sweep.sweep(small, {"device": "cpu", "scale": "cpu"}, log=lambda _: None)
+    plan = sweep.sweep(small, Hardware.nominal("cpu"), log=lambda _: None)
     assert calls[:2] == [(64, False, 1000, 1000 % 64), (256, False, 1000, 1000 % 256)] and len(calls) == 4
     assert plan["fit"]["per_sample_mib"] == pytest.approx(1.0) and plan["fit"]["points"] == [[64, 864], [256, 1056]]
 

@@ -58,7 +58,7 @@ def test_the_real_allocators_peak_equals_the_trace() -> None:
 
 def test_efficientnet_at_the_cpu_scale_is_within_1pct_of_real_allocations() -> None:
     p = params.load(ROOT / "params.yaml")
-    build = trace.variant_builder(p, "accumulation", "cpu")
+    build = trace.variant_builder(trace.traced_spec(p, "accumulation", "cpu"))
     traced = trace.trace_step(build, 64, 4, 10, None)["peak_mib"]
     assert traced == pytest.approx(trace.allocated_peak_mib(build, 64, 4, 10, None), rel=0.01)
 
@@ -80,7 +80,7 @@ def test_float16_autocast_halves_what_the_convolutions_keep() -> None:
     float32's and a little more (measured 0.523); an autocast that left the norms' maps in float32, as
     CUDA's does, would give about 0.85."""
     p = params.load(ROOT / "params.yaml")
-    build = trace.variant_builder(p, "groupnorm", "cuda")
+    build = trace.variant_builder(trace.traced_spec(p, "groupnorm", "study"))
     saved: dict[torch.dtype, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -112,5 +112,5 @@ def test_the_tutorials_settings_are_its_own_whatever_params_say() -> None:
     p = params.set_values(params.read(ROOT / "params.yaml"), ["accum=8", "scales.study.batch=4096"])
     t = trace.tutorial_settings(p)
     assert (t.accum, t.scales.study.batch) == (4, 32768)
-    assert [params.variant_accum_steps(t, v) for v in ("tutorial_accumulation", "baseline")] == [4, 1]
+    assert [trace.traced_spec(t, v, "study").accum for v in ("tutorial_accumulation", "baseline")] == [4, 1]
     assert t.variants == p.variants and t.model == p.model

@@ -13,13 +13,24 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from gradaccum import experiment, loop, mnist, params
-from gradaccum.accumulation import schedule
+from gradaccum import experiment, loop, mnist, params, spec
+from gradaccum.accumulation import micro_batch_size, schedule
 from gradaccum.outputs import write_json
+from gradaccum.records import Hardware
 from stages import train as train_stage
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_BATCH = yaml.safe_load((ROOT / "params.yaml").read_text())["scales"]["cpu"]["batch"]
+HARDWARE = {"format": 1, "device": "cpu", "scale": "cpu", "cpu": {"name": "a CPU", "native_bfloat16": True}}
+
+
+def planner_json(fixed_mib: float, per_sample_mib: float, auto: int | None = 1) -> dict:
+    """reports/sweep/planner.json with the one line every lever shares."""
+    fit = {"fixed_mib": fixed_mib, "per_sample_mib": per_sample_mib}
+    machine = {"memory_mib": 1000, "what": "host memory", "safety_margin": 0.1}
+    return {"format": 1, "fit": fit, "fit_checkpointing": fit, "this_machine": machine} | dict.fromkeys(
+        ("auto_accum", "auto_accum_checkpointing"), auto
+    )
 
 
 def tiny_model(seed: int = 0) -> nn.Module:
@@ -81,19 +92,17 @@ def test_skipped_steps_are_counted() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before[:2], list(model.parameters())[:2], strict=True))
 
 
+def tiny_spec(**changes: object) -> spec.RunSpec:
+    """The accumulation variant's spec at the CPU scale, resized for the tiny model's runs."""
+    p = params.load(ROOT / "params.yaml", model_names=False)
+    base = spec.resolve(p, "accumulation", Hardware.nominal("cpu"))
+    update = {"lr": 3e-3, "weight_decay": 0.0, "batch": 64, "accum": 2, "epochs": 3, "amp": "float32"} | changes
+    micro = micro_batch_size(update["batch"], update["accum"])  # type: ignore[arg-type]
+    return base.model_copy(update=update | {"micro_batch": micro, "eval_batch": 128})
+
+
 def run(seed: int = 0, accum: int = 2) -> list[dict]:
-    return loop.train(
-        tiny_model(seed),
-        digits(),
-        lr=3e-3,
-        weight_decay=0.0,
-        batch=64,
-        accum=accum,
-        epochs=3,
-        seed=seed,
-        dtype=None,
-        eval_batch=128,
-    )
+    return loop.train(tiny_model(seed), digits(), tiny_spec(accum=accum), seed).epochs
 
 
 def test_short_run_lowers_the_loss() -> None:
@@ -126,7 +135,7 @@ def stage_inputs(root: Path) -> None:
     }
     mnist.save(arrays, root / "data/dataset.npz")
     write_json(root / "data/provenance.json", {"kind": "fallback"})
-    write_json(root / "data/hardware.json", {"device": "cpu", "scale": "cpu"})
+    write_json(root / "data/hardware.json", HARDWARE)
 
 
 def test_out_of_memory_is_a_result(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,7 +155,7 @@ def test_out_of_memory_is_a_result(workdir: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_over_host_budget_is_not_run(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stage_inputs(workdir)
-    write_json(workdir / "reports/sweep/planner.json", {"fit": {"fixed_mib": 800.0, "per_sample_mib": 100.0}})
+    write_json(workdir / "reports/sweep/planner.json", planner_json(800.0, 100.0))
     monkeypatch.setattr(experiment, "train", lambda *a, **k: pytest.fail("must not train"))
     train_stage.main("baseline")  # 800 + 100 MiB x the CPU batch is far over the 16 GB budget
     metrics = json.loads((workdir / "reports/variants/baseline/metrics.json").read_text())
@@ -159,9 +168,11 @@ def test_bfloat16_is_not_run_on_a_cpu_that_emulates_it(
     workdir: Path, monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
     stage_inputs(workdir)
-    write_json(workdir / "data/hardware.json", {"device": "cpu", "scale": "cpu", "cpu": {"native_bfloat16": native}})
+    write_json(workdir / "data/hardware.json", HARDWARE | {"cpu": {"name": "a CPU", "native_bfloat16": native}})
     trained = []
-    monkeypatch.setattr(experiment, "train", lambda model, data, **k: trained.append(k["dtype"]) or [])
+    monkeypatch.setattr(
+        experiment, "train", lambda model, data, spec, *a, **k: trained.append(spec.dtype) or loop.Curves()
+    )
     train_stage.main("groupnorm_precision")  # float32 by default on the CPU, so its precision lever is bfloat16
     metrics = json.loads((workdir / "reports/variants/groupnorm_precision/metrics.json").read_text())
     if native:
@@ -213,16 +224,7 @@ def test_accum_auto_says_what_is_missing(workdir: Path) -> None:
         params.ParamsError, match=r"reports/sweep/planner.json, which is missing: run `dvc repro sweep`"
     ):
         train_stage.main("accumulation")
-    machine = {"memory_mib": 1000, "what": "host memory", "safety_margin": 0.1}
-    fit = {"fixed_mib": 950.0, "per_sample_mib": 1.0}
-    plan = {
-        "fit": fit,
-        "fit_checkpointing": fit,
-        "this_machine": machine,
-        "auto_accum": None,
-        "auto_accum_checkpointing": None,
-    }
-    write_json(workdir / "reports/sweep/planner.json", plan)
+    write_json(workdir / "reports/sweep/planner.json", planner_json(950.0, 1.0, auto=None))
     with pytest.raises(
         params.ParamsError,
         match=r"finds nothing that fits \(accumulation\): .* 951 MiB even at micro-batch 1, over the usable 900 MiB",
@@ -236,14 +238,12 @@ def test_accum_auto_resolves_from_the_planner(workdir: Path, monkeypatch: pytest
     stage_inputs(workdir)
     params_text = (workdir / "params.yaml").read_text().replace("\naccum: 4 ", "\naccum: auto ")
     (workdir / "params.yaml").write_text(params_text)
-    write_json(
-        workdir / "reports/sweep/planner.json", {"fit": {"fixed_mib": 800.0, "per_sample_mib": 1.0}, "auto_accum": 3}
-    )
+    write_json(workdir / "reports/sweep/planner.json", planner_json(800.0, 1.0, auto=3))
     seen = {}
 
-    def fake_train(model, data, **kwargs):
-        seen.update(kwargs)
-        return []
+    def fake_train(model, data, spec, *args, **kwargs):
+        seen["accum"] = spec.accum
+        return loop.Curves()
 
     monkeypatch.setattr(experiment, "train", fake_train)
     train_stage.main("accumulation")
@@ -275,13 +275,13 @@ def test_tutorial_loop_carries_gradient_into_the_next_epoch() -> None:
 
 
 def test_precision_lever_flips_autocast() -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
     train = params.Train(
         weight_decay=0.0, amp_cuda="float16", amp_cpu="float32", eval_batch=64, emulated_bfloat16=False
     )
-    assert loop.amp_dtype(cpu, train) is None and loop.amp_dtype(cpu, train, "other") == torch.bfloat16
-    assert loop.amp_dtype(cuda, train) == torch.float16 and loop.amp_dtype(cuda, train, "other") is None
-    assert loop.amp_dtype(cpu, train.model_copy(update={"amp_cpu": "bfloat16"}), "other") is None
+    assert spec.amp("cpu", train) == "float32" and spec.amp("cpu", train, "other") == "bfloat16"
+    assert spec.amp("cuda", train) == "float16" and spec.amp("cuda", train, "other") == "float32"
+    assert spec.amp("cpu", train.model_copy(update={"amp_cpu": "bfloat16"}), "other") == "float32"
+    assert spec.AMP_DTYPES["float32"] is None  # float32: no autocast
 
 
 def test_each_further_seed_trains_a_fresh_model_and_is_recorded(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -289,10 +289,10 @@ def test_each_further_seed_trains_a_fresh_model_and_is_recorded(workdir: Path, m
     (workdir / "params.yaml").write_text((workdir / "params.yaml").read_text().replace("\nseeds: 1 ", "\nseeds: 3 "))
     calls = []
 
-    def fake_train(model, data, **k):
-        calls.append((k["seed"], float(next(model.parameters()).detach().sum())))
+    def fake_train(model, data, spec, seed, *args, **kwargs):
+        calls.append((seed, float(next(model.parameters()).detach().sum())))
         row = dict.fromkeys(loop.EPOCH_COLUMNS, 1.0)
-        return [row | {"epoch": 1, "train_loss": k["seed"] / 100, "test_accuracy": k["seed"] / 1000}]
+        return loop.Curves([row | {"epoch": 1, "train_loss": seed / 100, "test_accuracy": seed / 1000}])
 
     monkeypatch.setattr(experiment, "train", fake_train)
     train_stage.main("groupnorm")
@@ -328,20 +328,7 @@ def test_a_loss_per_optimizer_step_whose_weighted_mean_is_the_epoch_loss() -> No
     assert steps == len(losses) == 3
     assert losses[0] == pytest.approx(first, rel=1e-5)
     assert (30 * losses[0] + 30 * losses[1] + 10 * losses[2]) / 70 == pytest.approx(epoch_loss, rel=1e-6)
-    rows: list[dict] = []
-    loop.train(
-        tiny_model(),
-        digits(128),
-        lr=1e-3,
-        weight_decay=0.0,
-        batch=64,
-        accum=2,
-        epochs=2,
-        seed=0,
-        dtype=None,
-        eval_batch=64,
-        step_rows=rows,
-    )
+    rows = loop.train(tiny_model(), digits(128), tiny_spec(lr=1e-3, epochs=2), 0).steps
     assert [(r["step"], r["epoch"]) for r in rows] == [(1, 1), (2, 1), (3, 2), (4, 2)]
 
 
@@ -364,7 +351,9 @@ def test_the_tutorial_variants_record_says_its_cudnn_switch_changed_nothing_on_a
 ) -> None:
     stage_inputs(workdir)
     flags = []
-    monkeypatch.setattr(experiment, "train", lambda *a, **k: flags.append(torch.backends.cudnn.enabled) or [])
+    monkeypatch.setattr(
+        experiment, "train", lambda *a, **k: flags.append(torch.backends.cudnn.enabled) or loop.Curves()
+    )
     train_stage.main("tutorial_accumulation")
     record = json.loads((workdir / "reports/variants/tutorial_accumulation/metrics.json").read_text())["cudnn"]
     assert record["setting"] == "tutorial" and record["applied"] is False and "CPU" in record["note"]
@@ -376,14 +365,14 @@ def test_dvclive_follows_the_run_epoch_by_epoch(tmp_path: Path) -> None:
     extension read), and hold the same numbers as the records written at the end."""
     from gradaccum.live import LiveCurves
 
-    live, seen, steps = LiveCurves(tmp_path / "live"), [], []
+    live, seen = LiveCurves(tmp_path / "live"), []
 
     def on_epoch(epoch: dict, epoch_steps: list[dict]) -> None:
         live(epoch, epoch_steps)
         seen.append(json.loads((tmp_path / "live/metrics.json").read_text()))
 
-    kwargs = {"lr": 3e-3, "weight_decay": 0.0, "batch": 64, "accum": 2, "epochs": 3, "seed": 0, "dtype": None}
-    rows = loop.train(tiny_model(0), digits(), **kwargs, eval_batch=128, step_rows=steps, on_epoch=on_epoch)
+    curves = loop.train(tiny_model(0), digits(), tiny_spec(), 0, on_epoch=on_epoch)
+    rows, steps = curves.epochs, curves.steps
     live.close()
     assert [s["epoch"] for s in seen] == [1, 2, 3]  # one summary per epoch, each before the next epoch ran
     assert [s["per_epoch"]["test_accuracy"] for s in seen] == [r["test_accuracy"] for r in rows]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pandas as pd
 import yaml
+from pydantic import ValidationError
 
 from gradaccum import planner
 from gradaccum.outputs import MissingInput
@@ -56,10 +57,13 @@ def load_variants(names: list[str], folder: Path) -> tables.Results:
                 record=VariantRecord.read(d / "metrics.json"),
                 epochs=pd.read_csv(d / "epochs.tsv", sep="\t"),
                 timeline=pd.read_csv(d / "memory.csv"),
-                steps=pd.read_csv(d / "steps.tsv", sep="\t") if (d / "steps.tsv").exists() else None,
+                steps=pd.read_csv(d / "steps.tsv", sep="\t"),
             )
         except (OSError, ValueError) as err:  # a missing curve, a damaged record (pydantic's error is a ValueError)
             first = str(err).splitlines()[0]
+            if isinstance(err, ValidationError):  # the field, not "1 validation error for VariantRecord"
+                error = err.errors()[0]
+                first = f"{'.'.join(map(str, error['loc']))}: {error['msg'].lower()}"
             raise MissingInput(
                 f"{d}/ cannot be read ({type(err).__name__}: {first}): `dvc repro -f train@{name}` makes it again"
             ) from None

@@ -62,28 +62,16 @@ def small_multiples(
 def epoch_figures(rep: Report, results: Results) -> None:
     """Training loss per optimizer step and test accuracy per epoch, the variants grouped in panels."""
     note = missing_note(results)
-    steps = {n: r.steps for n, r in results.items()}
-    if any(f is not None for f in steps.values()):
-        small_multiples(
-            rep,
-            steps,
-            "step",
-            "train_loss",
-            ("optimizer step", "training loss (window mean)"),
-            "train_loss.png",
-            f"Training loss at every optimizer step (the mean over the step's window), grouped by what the variants "
-            f"compare; the first seed's run. Identical curves overlap (solid, dashed, dotted).{note}",
-        )
-    else:  # a run from before steps.tsv existed: per epoch
-        small_multiples(
-            rep,
-            {n: r.epochs for n, r in results.items()},
-            "epoch",
-            "train_loss",
-            ("epoch", "mean training loss"),
-            "train_loss.png",
-            f"Mean training loss per epoch, grouped by what the variants compare.{note}",
-        )
+    small_multiples(
+        rep,
+        {n: r.steps for n, r in results.items()},
+        "step",
+        "train_loss",
+        ("optimizer step", "training loss (window mean)"),
+        "train_loss.png",
+        f"Training loss at every optimizer step (the mean over the step's window), grouped by what the variants "
+        f"compare; the first seed's run. Identical curves overlap (solid, dashed, dotted).{note}",
+    )
     small_multiples(
         rep,
         {n: r.epochs for n, r in results.items()},

@@ -4,7 +4,6 @@ the GPU card table from the trace, and the tutorial's GPU figures beside the tra
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import pandas as pd
 
 from gradaccum import planner
+from gradaccum.accumulation import micro_batch_size
 from gradaccum.report.tables import COSTS, SAVES, Results, fmt, peak_mib
 from gradaccum.tutorial import CLAIM_TOLERANCE, CLAIMS
 
@@ -36,7 +36,7 @@ PREDICTED = (  # the study scale's predicted GPU figures (gradaccum/allocator.py
     ("reserved", "gpu_reserved_mib", "torch_max_reserved_mib"),
     ("nvidia-smi", "gpu_nvidia_smi_mib", "nvidia_smi_peak_mib"),
 )
-GOALS = {"allocated": 0.03, "reserved": 0.10, "nvidia-smi": 0.10}  # issue 28: how close a prediction must come
+GOALS = {"allocated": 0.03, "reserved": 0.10, "nvidia-smi": 0.10}  # how close a prediction must come to count
 
 
 def gpu_answers(trace: dict[str, Any]) -> dict[str, str]:
@@ -203,7 +203,7 @@ def card_rows(trace: dict[str, Any], batch: int, cards_gb: list[float], margin: 
             if accum is None:
                 row[lever] = "does not fit even at micro-batch 1"
                 continue
-            micro = math.ceil(batch / accum)  # as planner.card_table: the report imports no torch
+            micro = micro_batch_size(batch, accum)
             row[lever] = f"accum {accum} (micro-batch {micro}): {planner.predict_mib(line, micro) / 1024:.1f} GiB"
         out.append(row)
     return out

@@ -1,0 +1,195 @@
+"""Every setting one variant runs with, worked out once: the run spec.
+
+`resolve` makes a `RunSpec` from params.yaml, the machine (data/hardware.json, read as `Hardware`) and the
+sweep's plan (reports/sweep/planner.json, read as `Plan`), and raises every refusal that depends on them. The
+train stage, the speed stage, the trace and the card table take the spec; none of them works out accum, the
+micro-batch, the dtype or whether the variant runs again. To change one of those rules, change it here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from gradaccum import planner
+from gradaccum.accumulation import micro_batch_size
+from gradaccum.params import Model, Params, ParamsError, Train, check_accum, fail, step_twin
+from gradaccum.records import DidNotFit, Hardware, Plan
+
+AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": None}  # float32: no autocast
+
+
+class AutoUndecided(ParamsError):
+    """accum: auto with no sweep to decide it (the trace says so rather than guess)."""
+
+
+class RunSpec(BaseModel):
+    """One variant at one scale on one machine, resolved: what its run, its speed rounds and its trace use."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    variant: str
+    scale: Literal["study", "cpu"]
+    device: Literal["cpu", "cuda"]
+    model: Model
+    norm: Literal["batch", "group"]
+    swap: Literal["keep_act", "plain"]
+    weighting: Literal["exact", "divide"]
+    epoch_end_step: bool
+    checkpointing: bool
+    cudnn: Literal["default", "tutorial"]
+    precision: Literal["default", "other"]
+    amp: Literal["float16", "bfloat16", "float32"]
+    lr: float
+    weight_decay: float
+    batch: int  # samples per optimizer step, all processes together
+    accum: int
+    accum_setting: int | str  # what params.yaml said: an integer, or "auto" resolved into accum
+    world: int  # processes; a window is accum x world micro-batches
+    micro_batch: int  # per process
+    eval_batch: int  # never above the micro-batch, so evaluation fits wherever training does
+    sync_batchnorm: bool
+    epochs: int
+    train_samples: int
+    test_samples: int
+    seed: int
+    seeds: int
+    memory_interval_ms: int
+    same_step_as: str | None  # an earlier variant whose step differs only in the lr: its speed and trace are this one's
+    not_run: str | None = None  # left out on purpose, before anything is built
+    over_budget: DidNotFit | None = None  # on a CPU, the planner's verdict: the kernel would kill it, not raise
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return AMP_DTYPES[self.amp]
+
+    def runs(self) -> bool:
+        return self.not_run is None and self.over_budget is None
+
+
+def check_distributed(p: Params, hw: Hardware) -> None:
+    """The rules that need the machine: one process per visible GPU at most; SyncBatchNorm needs GPUs."""
+    nproc, sync_bn = p.distributed.nproc_per_node, p.distributed.sync_batchnorm
+    gpus = hw.gpu.count if hw.device == "cuda" and hw.gpu else 0
+    if hw.device == "cuda" and nproc > gpus:
+        fail("distributed.nproc_per_node", nproc, f"expected at most the {gpus} visible GPU(s), one process each")
+    if sync_bn and nproc > 1 and hw.device != "cuda":
+        fail("distributed.sync_batchnorm", sync_bn, "SyncBatchNorm runs on GPUs only; use false on the CPU")
+
+
+def amp(device: str, train: Train, precision: str = "default") -> str:
+    """float16 needs a GradScaler (small gradients underflow); bfloat16 has float32's range and does not.
+
+    precision="other" is the precision lever: float32 where the default autocasts, else autocast."""
+    default = train.amp_cuda if device == "cuda" else train.amp_cpu
+    if precision == "default":
+        return default
+    return "float32" if default != "float32" else ("float16" if device == "cuda" else "bfloat16")
+
+
+def resolve(
+    p: Params, variant: str, hw: Hardware, plan: Plan | None = None, world: int = 1, accum: int | None = None
+) -> RunSpec:
+    """The variant's spec on `hw`; `accum` overrides the variant's own (the card table tries others)."""
+    if variant not in p.variants:
+        raise ParamsError(f"variant {variant!r} is not in params.yaml variants: {', '.join(p.variants)}")
+    v, scale = p.variants[variant], p.scale_settings(hw.scale)
+    accum = accum or variant_accum(p, variant, plan, hw.scale, world)
+    micro = micro_batch_size(scale.batch, accum * world)
+    precision = amp(hw.device, p.train, v.precision)
+    spec = RunSpec(
+        variant=variant,
+        scale=hw.scale,
+        device=hw.device,
+        model=p.model,
+        **v.model_dump(include={"norm", "swap", "weighting", "epoch_end_step", "checkpointing", "cudnn", "precision"}),
+        amp=precision,
+        lr=v.lr,
+        weight_decay=p.train.weight_decay,
+        batch=scale.batch,
+        accum=accum,
+        accum_setting=v.accum if v.accum != "accum" else p.accum,
+        world=world,
+        micro_batch=micro,
+        eval_batch=min(p.train.eval_batch, micro),
+        sync_batchnorm=p.distributed.sync_batchnorm and v.norm == "batch" and world > 1,
+        epochs=scale.epochs,
+        train_samples=scale.train_samples,
+        test_samples=scale.test_samples,
+        seed=p.seed,
+        seeds=p.seeds,
+        memory_interval_ms=p.memory.interval_ms,
+        same_step_as=step_twin(p, variant),
+    )
+    return spec.model_copy(
+        update={"not_run": emulated(p, hw, precision), "over_budget": over_budget(p, hw, micro, plan, world)}
+    )
+
+
+def variant_accum(p: Params, variant: str, plan: Plan | None, scale: str, world: int) -> int:
+    """The accumulation steps a variant runs with, checked against the batch of the scale that runs."""
+    v = p.variants[variant]
+    if v.accum != "accum":
+        accum = v.accum
+    elif p.accum != "auto":
+        accum = p.accum
+    else:
+        accum = auto_accum(plan, v.checkpointing)
+    params_batch = p.scale_settings(scale).batch
+    check_accum(accum, params_batch, f"scales.{scale}.batch", world=world)
+    return accum
+
+
+def auto_accum(plan: Plan | None, checkpointing: bool) -> int:
+    """accum: auto, from the planner: the fewest micro-batches that fit. Says what is missing when it cannot."""
+    if plan is None:
+        raise AutoUndecided(
+            "params.yaml: accum = 'auto' needs the memory planner's result, reports/sweep/planner.json, "
+            "which is missing: run `dvc repro sweep` first"
+        )
+    accum = plan.auto(checkpointing)
+    if accum is None:
+        budget = plan.this_machine
+        usable = budget.memory_mib * (1 - budget.safety_margin)
+        raise ParamsError(
+            f"params.yaml: accum = 'auto' finds nothing that fits "
+            f"({'checkpointing' if checkpointing else 'accumulation'}): the planner predicts "
+            f"{planner.predict_mib(plan.line(checkpointing), 1):.0f} MiB even at micro-batch 1, over the usable "
+            f"{usable:.0f} MiB of {budget.what} (memory.safety_margin {budget.safety_margin}); set accum to an "
+            "integer to try"
+        )
+    return accum
+
+
+def emulated(p: Params, hw: Hardware, precision: str) -> str | None:
+    """bfloat16 on a CPU without its kernels is emulated, many times slower than float32, and says nothing of a
+    GPU: not run. The text names the benchmark that measures the slowdown on the CPU it runs on."""
+    if hw.device != "cpu" or precision != "bfloat16" or hw.cpu.native_bfloat16 or p.train.emulated_bfloat16:
+        return None
+    return (
+        "this CPU has no bfloat16 kernels, so bfloat16 would be emulated in software, many times slower than "
+        "float32 (`python -m benchmarks.convolutions` times both on this CPU); train.emulated_bfloat16: true "
+        "trains it anyway"
+    )
+
+
+def over_budget(p: Params, hw: Hardware, micro: int, plan: Plan | None, world: int) -> DidNotFit | None:
+    """On the CPU the kernel kills rather than raises, so a variant the planner puts over budget is not run.
+
+    With several processes on one host, each holds its own copy: the host needs `world` times one.
+    """
+    if hw.device != "cpu" or plan is None:
+        return None
+    predicted = planner.predict_mib(plan.fit.model_dump(), micro) * world
+    budget = p.memory.host_budget_gb * planner.GIB_MIB
+    if predicted <= budget:
+        return None
+    return DidNotFit(
+        reason=f"planner predicts {predicted:.0f} MiB at micro-batch {micro}"
+        + (f" in each of {world} processes" if world > 1 else "")
+        + f", over memory.host_budget_gb ({budget:.0f} MiB)",
+        memory_at_failure_mib=round(predicted),
+        device_total_mib=round(budget),
+    )
