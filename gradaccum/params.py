@@ -179,6 +179,23 @@ class Variant(Section):
 VariantName = Annotated[str, Field(pattern=r"^\w{1,64}$")]  # a folder and file name: reports/variants/<name>/
 
 
+class Roles(Section):
+    """Which variant plays which part in the report's answers: each value names a variant of `variants`."""
+
+    baseline: str = _allowed("a variant: the tutorial's baseline (BatchNorm, the whole batch at once)")
+    treatment: str = _allowed("a variant: the tutorial's fix (GroupNorm, accumulated)")
+    norm_control: str = _allowed("a variant: the treatment without accumulation, the levers' reference")
+    lr_control: str = _allowed("a variant: the baseline at the treatment's lr")
+    accum_control: str = _allowed("a variant: accumulation with BatchNorm kept")
+    tutorial_code: str = _allowed("a variant: the tutorial's accumulation code as written")
+    levers: dict[str, str] = _allowed("a mapping of variant -> the memory lever it adds to norm_control")
+
+    def named(self) -> dict[str, str]:
+        """Every role's key in params.yaml -> the variant it names."""
+        roles = {key: value for key, value in self.model_dump().items() if key != "levers"}
+        return roles | {f"levers.{name}": name for name in self.levers}
+
+
 class Params(Section):
     """Every knob of the study; see the comments in params.yaml."""
 
@@ -196,6 +213,7 @@ class Params(Section):
     variants: dict[VariantName, Variant] = _allowed(
         "a mapping of variant name -> {norm, accum, lr, extra}", min_length=1
     )
+    roles: Roles
 
     def scale_settings(self, name: str) -> Scale:
         """scales.<name>: the sizes of the study or of the CPU scale."""
@@ -292,6 +310,9 @@ def check(values: Any, model_names: bool = True) -> Params:
             fail(f"variants.{name}.extra", variant.extra, "expected a top-level key, one of " + ", ".join(values))
         if variant.accum == "accum" and variant.extra != "accum":
             fail(f"variants.{name}.extra", variant.extra, "a variant with accum: accum must have extra: accum")
+    for key, name in p.roles.named().items():
+        if name not in p.variants:
+            fail(f"roles.{key}", name, "expected a variant of params.yaml: " + ", ".join(p.variants))
     if p.seed + p.seeds > 2**32:
         fail("seeds", p.seeds, f"the seeds run from seed = {p.seed} up, so expected at most {2**32 - p.seed}")
     world = p.distributed.nproc_per_node

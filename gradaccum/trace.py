@@ -325,9 +325,6 @@ def lever_line(p: Params, scale: str, checkpointing: bool) -> dict[str, Any]:
     return scale_line(p, scale, build, AMP_DTYPES[amp(device, p.train)])
 
 
-TUTORIAL_VARIANTS = ("baseline", "tutorial_accumulation")  # the variants whose GPU figures the tutorial gave
-
-
 def tutorial_settings(p: Params) -> Params:
     """params at the tutorial's own settings, whatever params.yaml says: its batch and its accum (4 x 8192), so its
     claims are held against the step it measured, not against this run's (after `dvc exp run -S accum=8`)."""
@@ -355,9 +352,10 @@ def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -
     twins = {v: twin for v in p.variants if (twin := step_twin(p, v))}  # the same step but the lr: traced once
     jobs = [("variant", v, scale) for scale in DEVICES for v in p.variants if v not in twins]
     jobs += [("line", lever) for lever in ("plain", "checkpointing")]
-    fast = [v for v in p.variants if (p.variants[v].norm, p.variants[v].swap) == ("group", "keep_act")][:1]
-    jobs += [("fast_norm", v) for v in fast if v == "accumulation"]  # the lever against GroupNorm's float32
-    jobs += [("tutorial", v) for v in TUTORIAL_VARIANTS if v in p.variants]  # its claims, at its own settings
+    treatment = p.variants[p.roles.treatment]
+    if (treatment.norm, treatment.swap) == ("group", "keep_act"):  # timm's fast norm against GroupNorm's float32
+        jobs.append(("fast_norm", p.roles.treatment))
+    jobs += [("tutorial", v) for v in (p.roles.baseline, p.roles.tutorial_code)]  # its GPU figures, at its settings
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of a process with threads
     start = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:

@@ -337,8 +337,22 @@ def test_variant_names_must_make_file_names() -> None:
     p["variants"]["x" * 65] = p["variants"]["baseline"]
     msg = error_for(p)
     assert "variants." + "x" * 65 in msg and "1 to 64 letters, digits and _" in msg
-    p["variants"] = {"x" * 64: DEFAULTS["variants"]["baseline"]}
+    p["variants"]["x" * 64] = p["variants"].pop("x" * 65)
     assert params.check(p).variants
+
+
+def test_a_role_naming_no_variant_is_refused_by_name() -> None:
+    """Rename a variant and forget its role: one line naming the role, the missing name and the variants there are."""
+    p = copy.deepcopy(DEFAULTS)
+    p["variants"]["gn"] = p["variants"].pop("groupnorm")
+    msg = error_for(p)
+    assert msg.startswith("params.yaml: roles.norm_control = 'groupnorm' is not allowed; expected a variant")
+    assert "gn" in msg.split("expected a variant of params.yaml: ")[1].split(", ")
+    p["roles"]["norm_control"] = "gn"
+    p["roles"]["levers"]["missing"] = "a lever"
+    assert error_for(p).startswith("params.yaml: roles.levers.missing = 'missing' is not allowed")
+    del p["roles"]["levers"]["missing"]
+    assert params.check(p).roles.norm_control == "gn"
 
 
 def test_set_on_the_command_line_keeps_the_comments(tmp_path: Path) -> None:

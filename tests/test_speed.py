@@ -30,7 +30,7 @@ def test_every_variant_is_timed_in_every_round(workdir: Path) -> None:
         assert row["micro_batch"] == 8 // row["accum"]
     twin = result["variants"]["batchnorm_lr"]  # the baseline's step at another lr: timed once, shared
     assert twin["same_step_as"] == "baseline" and twin["images_per_s"] == result["variants"]["baseline"]["images_per_s"]
-    ratios = speed_ratios(result)
+    ratios = speed_ratios(result, "groupnorm")
     assert set(ratios) == set(p.variants) - {"groupnorm_precision"}  # a variant not run has no ratio
     assert all(r["rounds"] == 2 for r in ratios.values())
 
@@ -40,5 +40,5 @@ def test_a_speed_ratio_pairs_each_round_with_the_references_same_round() -> None
     Pairing medians instead (80/100) or rounds out of order would give other figures."""
     speed = {"variants": {"groupnorm": {"images_per_s": [100.0, 200.0, 100.0]}, "accumulation": {}}}
     speed["variants"]["accumulation"]["images_per_s"] = [50.0, 300.0, 90.0]
-    got = speed_ratios(speed)["accumulation"]
+    got = speed_ratios(speed, "groupnorm")["accumulation"]
     assert got == {"median": 0.9, "min": 0.5, "max": 1.5, "rounds": 3, "faster": 1, "slower": 2}

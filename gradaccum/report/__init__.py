@@ -94,24 +94,25 @@ def build(inputs: Inputs) -> Report:
             f"epochs on {hw['device']}; memory is host RSS, not GPU memory. {carries_over(inputs.plan)}"
         )
     rep.heading("What this run found")
-    predicted = traced.gpu_answers(inputs.trace) if inputs.trace else {}
-    rep.table(tables.answers(inputs.results, inputs.grad, hw["device"], inputs.speed, predicted))
+    found = tables.findings(inputs.results, p.roles, inputs.speed)
+    predicted = traced.gpu_answers(inputs.trace, p.roles) if inputs.trace else {}
+    rep.table(tables.answers(found, inputs.grad, hw["device"], predicted))
     rep.heading("The numbers behind it")
-    rep.table(tables.finding_details(inputs.results, inputs.grad, inputs.plan, hw["device"], inputs.speed))
+    rep.table(tables.finding_details(found, inputs.grad, inputs.plan, hw["device"], inputs.speed))
     rep.heading("The tutorial's claims against this run")
     within = f"A claim holds where what was measured or predicted is within {CLAIM_TOLERANCE:.0%} of it"
     rep.text(within + ' (its figures are "about" figures from one run).')
     study_on_gpu = hw["scale"] == "study" and hw["device"] == "cuda"
-    claims = tables.claims_table(inputs.results, study_on_gpu, inputs.grad, inputs.plan)
-    tutorial_rows = traced.tutorial_claims(inputs.trace, inputs.results, study_on_gpu) if inputs.trace else []
+    claims = tables.claims_table(found, study_on_gpu, inputs.grad, inputs.plan)
+    tutorial_rows = traced.tutorial_claims(inputs.trace, inputs.results, study_on_gpu, p.roles) if inputs.trace else []
     rep.table(claims[:2] + tutorial_rows + claims[2:])  # the tutorial's GPU figures, then the trace beside them
     rep.text(tables.steps_note(p, hw["scale"]))
     seed_section(rep, inputs.results, p.seeds)
-    lever_section(rep, inputs.results, inputs.speed)
+    lever_section(rep, found)
     if inputs.speed:
-        speed_section(rep, inputs.speed)
-    figures.epoch_figures(rep, inputs.results)
-    figures.memory_timeline(rep, inputs.results, hw["device"])
+        speed_section(rep, found, inputs.speed)
+    figures.epoch_figures(rep, inputs.results, p.roles)
+    figures.memory_timeline(rep, inputs.results, hw["device"], p.roles)
     figures.peak_memory(rep, inputs.results, hw["device"])
     cards = planner.cards_for(inputs.plan, p.memory.cards_gb, p.memory.safety_margin) if inputs.plan else []
     if inputs.plan:
@@ -187,23 +188,24 @@ def seed_section(rep: Report, results: tables.Results, seeds: int) -> None:
     rep.table(rows)
 
 
-def lever_section(rep: Report, results: tables.Results, speed: dict[str, Any] | None) -> None:
-    levers = tables.lever_table(results, speed)
+def lever_section(rep: Report, found: tables.Findings) -> None:
+    levers = tables.lever_table(found)
     if not levers:
         return
+    reference = found.roles.norm_control
     rep.heading("The memory levers side by side")
     rep.text(
-        "The same work as the groupnorm control (GroupNorm, accum 1, same lr and batch), with one lever or "
+        f"The same work as the {reference} control (GroupNorm, accum 1, same lr and batch), with one lever or "
         "two. Checkpointing recomputes the blocks' activations in backward instead of keeping them; it is "
         "kept away from BatchNorm, whose running statistics it would update twice per forward "
         "(pytorch#96136). Throughput comes from the speed stage, which interleaves the variants."
     )
     rep.table(levers)
-    if speed:
-        figures.levers(rep, levers, tables.speed_ratios(speed))
+    if found.speed:
+        figures.levers(rep, levers, found.speed, reference)
 
 
-def speed_section(rep: Report, speed: dict[str, Any]) -> None:
+def speed_section(rep: Report, found: tables.Findings, speed: dict[str, Any]) -> None:
     rep.heading("Speed, measured fairly")
     rep.text(
         f"Every variant's training step timed in {speed['rounds']} rounds of {speed['steps']} optimizer step(s) at "
@@ -214,7 +216,7 @@ def speed_section(rep: Report, speed: dict[str, Any]) -> None:
         "difference is within the rounds' spread, and more rounds (speed.rounds) or steps (speed.steps) would "
         "resolve a smaller one."
     )
-    rep.table(tables.speed_rows(speed))
+    rep.table(tables.speed_rows(found, speed))
     figures.throughput(rep, speed)
 
 
@@ -222,14 +224,9 @@ def gradcheck_section(rep: Report, grad: dict[str, Any]) -> None:
     rep.heading("Is the accumulated gradient the large-batch gradient?")
     rep.text(
         "Relative difference ‖g_accum − g_full‖ / ‖g_full‖ "
-        + (
-            f"measured through the training loop itself ({grad['through']}): an epoch of {grad['samples']} "
-            f"images, batch {grad['batch']}, each window's gradient against the full-batch gradient of its "
-            f"samples, the larger of its {grad['windows']} windows; "
-            if "through" in grad
-            else f"on one batch of {grad['batch']} images, "
-        )
-        + f"{grad['precision']}, on {grad['device']}."
+        f"measured through the training loop itself ({grad['through']}): an epoch of {grad['samples']} "
+        f"images, batch {grad['batch']}, each window's gradient against the full-batch gradient of its "
+        f"samples, the larger of its {grad['windows']} windows; {grad['precision']}, on {grad['device']}."
     )
     rep.table(tables.gradcheck_rows(grad))
     figures.gradcheck(rep, grad)
@@ -277,7 +274,7 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
     rep.table(traced.study_rows(trace, inputs.results, on_gpu), explain_once=("policy",))
     if on_gpu:
         rep.text("Predicted against measured: " + traced.gpu_verdicts(trace, inputs.results))
-    if finding := traced.groupnorm_cost(trace):
+    if finding := traced.groupnorm_cost(trace, inputs.params.roles):
         rep.text(finding)
     rep.text("What the nvidia-smi predictions assume on top of the traced tensors and the allocator's rules:")
     rep.table(traced.assumptions(trace))

@@ -9,6 +9,7 @@ import matplotlib.ticker
 import pandas as pd
 import seaborn as sns
 
+from gradaccum.params import Roles
 from gradaccum.planner import predict_mib
 from gradaccum.report import tables
 from gradaccum.report.document import Report
@@ -23,27 +24,36 @@ def missing_note(results: Results) -> str:
     return "".join(f" {n}: {m.why_not().split(':')[0]}." for n, m in missing.items())
 
 
-PANELS = (  # the variants grouped by what they compare: one panel each, a few lines per panel
-    ("accumulation against its control", ("groupnorm", "accumulation", "tutorial_accumulation")),
-    ("BatchNorm: accumulation, the lr, the norm", ("baseline", "accum_batchnorm", "batchnorm_lr", "groupnorm")),
-    ("the other memory levers", ("groupnorm", "checkpointing", "accum_checkpointing", "groupnorm_precision")),
-)
-
-
-def panels(names: list[str]) -> list[tuple[str, list[str]]]:
-    """PANELS restricted to the variants present; any other variant gets a panel of its own."""
-    out = [(title, [n for n in group if n in names]) for title, group in PANELS]
-    grouped = {n for _, group in PANELS for n in group}
+def panels(names: list[str], roles: Roles) -> list[tuple[str, list[str]]]:
+    """The variants grouped by what they compare, by their roles: one panel each, a few lines per panel, only
+    the variants present; any other variant gets a panel of its own."""
+    comparisons = (
+        ("accumulation against its control", (roles.norm_control, roles.treatment, roles.tutorial_code)),
+        (
+            "BatchNorm: accumulation, the lr, the norm",
+            (roles.baseline, roles.accum_control, roles.lr_control, roles.norm_control),
+        ),
+        ("the other memory levers", (roles.norm_control, *(n for n in roles.levers if n != roles.treatment))),
+    )
+    out = [(title, [n for n in group if n in names]) for title, group in comparisons]
+    grouped = {n for _, group in comparisons for n in group}
     out.append(("other variants", [n for n in names if n not in grouped]))
     return [(title, group) for title, group in out if group]
 
 
 def small_multiples(
-    rep: Report, frames: dict[str, pd.DataFrame], x: str, y: str, labels: tuple[str, str], name: str, caption: str
+    rep: Report,
+    frames: dict[str, pd.DataFrame],
+    roles: Roles,
+    x: str,
+    y: str,
+    labels: tuple[str, str],
+    name: str,
+    caption: str,
 ) -> None:
     """One panel per comparison, every variant in one colour throughout, each legend under its panel."""
     names = [n for n, f in frames.items() if f is not None and len(f.dropna(subset=[y]))]
-    groups = panels(names)
+    groups = panels(names, roles)
     colors = dict(zip(list(frames), sns.color_palette("tab10", n_colors=max(len(frames), 1)), strict=False))
     fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(4.2 * max(len(groups), 1), 3.8), sharey=True)
     for ax, (title, group) in zip(axes if len(groups) > 1 else [axes], groups or [("no data", [])], strict=True):
@@ -59,12 +69,13 @@ def small_multiples(
     rep.figure(name, fig, caption)
 
 
-def epoch_figures(rep: Report, results: Results) -> None:
+def epoch_figures(rep: Report, results: Results, roles: Roles) -> None:
     """Training loss per optimizer step and test accuracy per epoch, the variants grouped in panels."""
     note = missing_note(results)
     small_multiples(
         rep,
         {n: r.steps for n, r in results.items()},
+        roles,
         "step",
         "train_loss",
         ("optimizer step", "training loss (window mean)"),
@@ -75,6 +86,7 @@ def epoch_figures(rep: Report, results: Results) -> None:
     small_multiples(
         rep,
         {n: r.epochs for n, r in results.items()},
+        roles,
         "epoch",
         "test_accuracy",
         ("epoch", "test accuracy"),
@@ -83,7 +95,7 @@ def epoch_figures(rep: Report, results: Results) -> None:
     )
 
 
-def memory_timeline(rep: Report, results: Results, device: str) -> None:
+def memory_timeline(rep: Report, results: Results, device: str, roles: Roles) -> None:
     column = "process_mib" if device == "cuda" else "rss_mib"
     frames = {n: r.timeline for n, r in results.items() if not r.record.not_run}  # not run: no timeline
     interval = next(iter(results.values())).record.memory.interval_ms
@@ -91,6 +103,7 @@ def memory_timeline(rep: Report, results: Results, device: str) -> None:
     small_multiples(
         rep,
         frames,
+        roles,
         "seconds",
         column,
         ("seconds since the variant started", memory_label(device).replace("peak ", "")),
@@ -176,7 +189,7 @@ def sweep(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any]]) -> Non
     )
 
 
-def levers(rep: Report, rows: list[dict[str, Any]], ratios: dict[str, dict[str, float]]) -> None:
+def levers(rep: Report, rows: list[dict[str, Any]], ratios: dict[str, dict[str, float]], reference: str) -> None:
     """Memory saved against speed lost per lever; the speed's range over the interleaved rounds as error bars."""
     rows = [r for r in rows if r["variant"] in ratios and "memory saved (MiB)" in r]  # the levers that ran
     if not rows:
@@ -185,7 +198,7 @@ def levers(rep: Report, rows: list[dict[str, Any]], ratios: dict[str, dict[str, 
     palette = sns.color_palette(n_colors=len(rows))
     for r, color in zip(rows, palette, strict=True):
         q = ratios[r["variant"]]
-        x, y = 1 - float(r["peak memory vs groupnorm"]), 1 - q["median"]
+        x, y = 1 - float(r[f"peak memory vs {reference}"]), 1 - q["median"]
         ax.errorbar(
             x,
             y,
@@ -200,13 +213,13 @@ def levers(rep: Report, rows: list[dict[str, Any]], ratios: dict[str, dict[str, 
     ax.axvline(0, color="#999", linewidth=0.8)
     ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-    ax.set(xlabel="peak memory saved against the groupnorm control", ylabel="throughput lost (interleaved)")
+    ax.set(xlabel=f"peak memory saved against the {reference} control", ylabel="throughput lost (interleaved)")
     ax.legend(fontsize="small", bbox_to_anchor=(1.02, 1), loc="upper left")
     rep.figure(
         "levers.png",
         fig,
-        "Each memory lever: memory saved against speed lost, both against the groupnorm control; speed from the "
-        "interleaved rounds (dot: median, bar: range). Right and low is better.",
+        f"Each memory lever: memory saved against speed lost, both against the {reference} control; speed from "
+        "the interleaved rounds (dot: median, bar: range). Right and low is better.",
     )
 
 

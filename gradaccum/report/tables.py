@@ -9,12 +9,10 @@ from typing import Any
 
 import pandas as pd
 
-from gradaccum.params import Params
+from gradaccum.params import Params, Roles
 from gradaccum.planner import predict_mib
 from gradaccum.records import MemoryPeaks, VariantRecord
 from gradaccum.tutorial import CLAIM_TOLERANCE, CLAIMS, kept_mistakes
-
-SPEED_REFERENCE = "groupnorm"  # the levers' control: GroupNorm, accum 1, none of the levers
 
 
 @dataclass
@@ -55,6 +53,59 @@ def fmt(value: Any, digits: int = 4) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
+
+
+@dataclass(frozen=True)
+class Findings:
+    """The report's numbers, worked out once from the records: the variant in each role (params.yaml `roles`),
+    where it trained to the end, and the ratios between them. The wording reads this; tests assert on it."""
+
+    roles: Roles
+    results: Results
+    done: dict[str, VariantRecord]  # the variants that trained to the end
+    speed: dict[str, dict[str, float]]  # each variant's interleaved speed over the norm control's
+    loss: dict[str, float]  # each finished variant's final train loss, the seeds' mean
+
+    def role(self, key: str) -> VariantRecord | None:
+        """The record of the variant playing `key` (baseline, treatment, ...), if it trained to the end."""
+        return self.done.get(self.name(key))
+
+    def name(self, key: str) -> str:
+        """The variant playing `key`."""
+        return getattr(self.roles, key)
+
+    def mean_loss(self, key: str) -> float:
+        """The final train loss of the variant playing `key`, the seeds' mean."""
+        return self.loss[self.name(key)]
+
+    def ratio(self, a: str, b: str) -> float | None:
+        """Peak memory of role `a` over role `b`'s, where both trained."""
+        ma, mb = self.role(a), self.role(b)
+        return peak_mib(ma) / peak_mib(mb) if ma and mb else None
+
+    @property
+    def memory_ratio(self) -> float | None:
+        return self.ratio("treatment", "baseline")
+
+    @property
+    def loss_split(self) -> tuple[float, float, float] | None:
+        """The baseline-to-norm-control change in final loss, and its lr and norm parts (through lr_control)."""
+        names = (self.roles.baseline, self.roles.lr_control, self.roles.norm_control)
+        if not all(n in self.loss for n in names):
+            return None
+        lb, ll, lg = (self.loss[n] for n in names)
+        return lg - lb, ll - lb, lg - ll
+
+
+def findings(results: Results, roles: Roles, speed: dict[str, Any] | None = None) -> Findings:
+    done = fitted(results)
+    return Findings(
+        roles=roles,
+        results=results,
+        done=done,
+        speed=speed_ratios(speed, roles.norm_control) if speed else {},
+        loss={n: mean for n, m in done.items() if (mean := seed_mean(m, "final_train_loss")) is not None},
+    )
 
 
 def fitted(results: Results) -> dict[str, VariantRecord]:
@@ -160,14 +211,14 @@ def claim(text: str, measured: str, over: float | None, result: str | None = Non
     }
 
 
-def absolute_claims(results: Results, study_on_gpu: bool) -> list[dict[str, str]]:
+def absolute_claims(f: Findings, study_on_gpu: bool) -> list[dict[str, str]]:
     """The tutorial's two memory figures; comparable only when the study itself ran on a GPU."""
     rows = []
     for name, text, gb in (
-        ("baseline", "about 30 GB at batch 32768 (BatchNorm)", CLAIMS["baseline_gb"]),
-        ("accumulation", "about 13.7 GB with 8192 x 4 (GroupNorm)", CLAIMS["accumulation_gb"]),
+        (f.roles.baseline, "about 30 GB at batch 32768 (BatchNorm)", CLAIMS["baseline_gb"]),
+        (f.roles.treatment, "about 13.7 GB with 8192 x 4 (GroupNorm)", CLAIMS["accumulation_gb"]),
     ):
-        m = results[name].record if name in results else None
+        m = f.results[name].record if name in f.results else None
         if m is None:
             rows.append(claim(text, "-", None, f"not run: no {name} variant"))
         elif m.not_run:
@@ -176,7 +227,10 @@ def absolute_claims(results: Results, study_on_gpu: bool) -> list[dict[str, str]
             failed = m.did_not_fit
             at = f"{failed.memory_at_failure_mib} of {failed.device_total_mib} MiB"
             rows.append(claim(text, f"did not fit ({at})", None, "did not fit on this machine"))
-        elif study_on_gpu and (m.batch, m.accum) != (CLAIMS["batch"], 1 if name == "baseline" else CLAIMS["accum"]):
+        elif study_on_gpu and (m.batch, m.accum) != (
+            CLAIMS["batch"],
+            1 if name == f.roles.baseline else CLAIMS["accum"],
+        ):
             measured = f"{peak_mib(m) / 1024:.1f} GB at this run's {m.accum} x {m.micro_batch} of {m.batch}"
             rows.append(claim(text, measured, None, "settings differ: the traced row below holds the tutorial's"))
         elif study_on_gpu:
@@ -188,7 +242,7 @@ def absolute_claims(results: Results, study_on_gpu: bool) -> list[dict[str, str]
     return rows
 
 
-def ratio_claims(results: Results, plan: dict[str, Any] | None = None) -> list[dict[str, str]]:
+def ratio_claims(f: Findings, plan: dict[str, Any] | None = None) -> list[dict[str, str]]:
     """Accumulation's share of the baseline's memory, and the loss, as the tutorial compared them.
 
     On the CPU the share is judged on the part of the peak that grows with the batch: host RSS carries a
@@ -196,14 +250,13 @@ def ratio_claims(results: Results, plan: dict[str, Any] | None = None) -> list[d
     """
     claimed = CLAIMS["accumulation_gb"] / CLAIMS["baseline_gb"]
     text = f"accumulation needs {claimed:.0%} of the baseline's memory (13.7 / 30)"
-    done = fitted(results)
-    if "accumulation" not in done or "baseline" not in done:
+    acc, base = f.role("treatment"), f.role("baseline")
+    if not (acc and base):
         return [claim(text, "-", None, "not measured: the baseline or the accumulation variant did not run or fit")]
-    acc, base = done["accumulation"], done["baseline"]
     if acc.accum != CLAIMS["accum"]:  # a share of the micro-batch: another accum, another share
         text += f"; this run at accum {acc.accum}, the tutorial's {CLAIMS['accum']}"
     a, b = peak_mib(acc), peak_mib(base)
-    acc_loss, base_loss = seed_mean(acc, "final_train_loss"), seed_mean(base, "final_train_loss")
+    acc_loss, base_loss = f.mean_loss("treatment"), f.mean_loss("baseline")
     change = acc_loss / base_loss - 1
     loss_verdict = (
         "holds (within 10%)"
@@ -233,13 +286,12 @@ def ratio_claims(results: Results, plan: dict[str, Any] | None = None) -> list[d
     ]
 
 
-def control_claims(results: Results) -> list[dict[str, str]]:
+def control_claims(f: Findings) -> list[dict[str, str]]:
     """The controls that separate what the tutorial changed at once: accumulation alone, the norm alone, its code."""
-    done, rows = fitted(results), []
-    acc, gn, base, tut = (done.get(n) for n in ("accumulation", "groupnorm", "baseline", "tutorial_accumulation"))
-    loss = {
-        n: seed_mean(m, "final_train_loss") for n, m in (("acc", acc), ("gn", gn), ("base", base), ("tut", tut)) if m
-    }
+    rows = []
+    keys = {"acc": "treatment", "gn": "norm_control", "base": "baseline", "tut": "tutorial_code"}
+    acc, gn, base, tut = (f.role(r) for r in keys.values())
+    loss = {short: f.mean_loss(key) for short, key in keys.items() if f.role(key)}
     if gn and acc:
         diff = abs(loss["acc"] - loss["gn"]) / loss["gn"]
         rows.append(
@@ -251,7 +303,7 @@ def control_claims(results: Results) -> list[dict[str, str]]:
                 "holds" if diff <= 0.01 else f"differs by {diff:.1%}, {against_seeds(acc, gn)}",
             )
         )
-    rows += norm_or_lr(done)
+    rows += norm_or_lr(f)
     if gn and base:
         change = loss["gn"] / loss["base"] - 1
         rows.append(
@@ -287,18 +339,25 @@ def control_claims(results: Results) -> list[dict[str, str]]:
     return rows
 
 
-def norm_or_lr(done: dict[str, VariantRecord]) -> list[dict[str, str]]:
-    """The tutorial changed the norm and the lr at once (BatchNorm at 1e-3 to GroupNorm at 3e-4): the `batchnorm_lr`
-    control (BatchNorm at 3e-4) splits the change into the lr's part and the norm's, each against the seed spread."""
-    base, bn_lr, gn = (done.get(n) for n in ("baseline", "batchnorm_lr", "groupnorm"))
+def norm_or_lr(f: Findings) -> list[dict[str, str]]:
+    """The tutorial changed the norm and the lr at once (BatchNorm at 1e-3 to GroupNorm at 3e-4): the lr control
+    (BatchNorm at 3e-4) splits the change into the lr's part and the norm's, each against the seed spread."""
+    base, bn_lr, gn = (f.role(r) for r in ("baseline", "lr_control", "norm_control"))
     if not (base and bn_lr and gn):
         return []
     rows = []
-    for text, a, b in (
-        ("(this study) the lr alone: BatchNorm at 3e-4 against 1e-3, both accum 1", bn_lr, base),
-        ("(this study) the norm alone: GroupNorm(1) against BatchNorm, both at 3e-4 and accum 1", gn, bn_lr),
+    for text, (a, la), (b, lb) in (
+        (
+            "(this study) the lr alone: BatchNorm at 3e-4 against 1e-3, both accum 1",
+            (bn_lr, f.mean_loss("lr_control")),
+            (base, f.mean_loss("baseline")),
+        ),
+        (
+            "(this study) the norm alone: GroupNorm(1) against BatchNorm, both at 3e-4 and accum 1",
+            (gn, f.mean_loss("norm_control")),
+            (bn_lr, f.mean_loss("lr_control")),
+        ),
     ):
-        la, lb = seed_mean(a, "final_train_loss"), seed_mean(b, "final_train_loss")
         rows.append(
             claim(
                 text,
@@ -311,42 +370,37 @@ def norm_or_lr(done: dict[str, VariantRecord]) -> list[dict[str, str]]:
     return rows
 
 
-def norm_or_lr_answer(done: dict[str, VariantRecord]) -> str | None:
+def norm_or_lr_answer(f: Findings) -> str | None:
     """The first screen's sentence: how much of the baseline-to-fix loss change is the lr's, how much the norm's."""
-    base, bn_lr, gn = (done.get(n) for n in ("baseline", "batchnorm_lr", "groupnorm"))
-    if not (base and bn_lr and gn):
+    if f.loss_split is None:
         return None
-    lb, ll, lg = (seed_mean(m, "final_train_loss") for m in (base, bn_lr, gn))
+    total, lr_part, norm_part = f.loss_split
+    base, bn_lr, gn = (f.role(r) for r in ("baseline", "lr_control", "norm_control"))
 
     def spread(a: VariantRecord, b: VariantRecord) -> str:
         return against_seeds(a, b).split(" (")[0].replace("one seed: not compared with a seed spread", "one seed")
-
-    total = lg - lb
 
     def share(part: float) -> str:
         return f" ({part / total + 0.0:.0%})" if total else ""  # + 0.0: no "-0%"
 
     return (
-        f"Of the fix's {total:+.4f} in final loss, the lr alone: {ll - lb:+.4f}{share(ll - lb)}, "
-        f"{spread(bn_lr, base)}; then the norm (at 3e-4): {lg - ll:+.4f}{share(lg - ll)}, {spread(gn, bn_lr)}."
+        f"Of the fix's {total:+.4f} in final loss, the lr alone: {lr_part:+.4f}{share(lr_part)}, "
+        f"{spread(bn_lr, base)}; then the norm (at 3e-4): {norm_part:+.4f}{share(norm_part)}, {spread(gn, bn_lr)}."
     )
 
 
 def gradcheck_scope(grad: dict[str, Any]) -> str:
-    """What the gradient check ran over: the training loop's shuffled epoch, or (an older record) one batch."""
-    if "through" in grad:
-        return f"through the training loop, over a shuffled epoch of {grad['samples']} (batch {grad['batch']})"
-    return f"on one batch of {grad['batch']}"
+    """What the gradient check ran over: the training loop's shuffled epoch."""
+    return f"through the training loop, over a shuffled epoch of {grad['samples']} (batch {grad['batch']})"
 
 
-def batchnorm_claim(results: Results, grad: dict[str, Any]) -> dict[str, str]:
+def batchnorm_claim(f: Findings, grad: dict[str, Any]) -> dict[str, str]:
     """BatchNorm must go: the gradient check says whether accumulation with it is the large-batch gradient."""
-    done = fitted(results)
-    acc_bn, base = done.get("accum_batchnorm"), done.get("baseline")
+    acc_bn, base = f.role("accum_control"), f.role("baseline")
     also = ""
     if acc_bn and base:
         also = (
-            f"; accum_batchnorm ended at loss {seed_text(acc_bn, 'final_train_loss')} (test accuracy "
+            f"; {f.roles.accum_control} ended at loss {seed_text(acc_bn, 'final_train_loss')} (test accuracy "
             f"{seed_text(acc_bn, 'test_accuracy')}) against the baseline's {seed_text(base, 'final_train_loss')}, "
             f"{against_seeds(acc_bn, base)}"
         )
@@ -362,16 +416,16 @@ def batchnorm_claim(results: Results, grad: dict[str, Any]) -> dict[str, str]:
 
 
 def claims_table(
-    results: Results, study_on_gpu: bool, grad: dict[str, Any] | None = None, plan: dict[str, Any] | None = None
+    f: Findings, study_on_gpu: bool, grad: dict[str, Any] | None = None, plan: dict[str, Any] | None = None
 ) -> list[dict[str, str]]:
     """The tutorial's claims, then the controls that separate what it changed at once (norm, accumulation)."""
-    rows = absolute_claims(results, study_on_gpu) + ratio_claims(results, plan) + control_claims(results)
-    return rows + ([batchnorm_claim(results, grad)] if grad else [])
+    rows = absolute_claims(f, study_on_gpu) + ratio_claims(f, plan) + control_claims(f)
+    return rows + ([batchnorm_claim(f, grad)] if grad else [])
 
 
-def speed_rows(speed: dict[str, Any]) -> list[dict[str, Any]]:
+def speed_rows(f: Findings, speed: dict[str, Any]) -> list[dict[str, Any]]:
     """The interleaved measurement per variant: images/s per round, its median, and the ratio to the control."""
-    ratios = speed_ratios(speed)
+    ratios, reference = f.speed, f.roles.norm_control
     rows = []
     for name, row in speed["variants"].items():
         rounds = row.get("images_per_s") or []
@@ -384,8 +438,8 @@ def speed_rows(speed: dict[str, Any]) -> list[dict[str, Any]]:
                 or row.get("not_run")
                 or row.get("did_not_fit", "-"),
                 "median images/s": fmt(row.get("median_images_per_s"), 1),
-                f"vs {SPEED_REFERENCE}: median (range)": ratio_text(ratios.get(name)),
-                "verdict": speed_verdict(ratios[name]) if name in ratios and name != SPEED_REFERENCE else "-",
+                f"vs {reference}: median (range)": ratio_text(ratios.get(name)),
+                "verdict": speed_verdict(ratios[name]) if name in ratios and name != reference else "-",
             }
         )
     return rows
@@ -411,14 +465,12 @@ def seed_rows(results: Results) -> list[dict[str, Any]]:
     return rows
 
 
-def summary_metrics(results: Results, speed: dict[str, Any] | None = None) -> dict[str, Any]:
+def summary_metrics(f: Findings, speed: dict[str, Any] | None = None) -> dict[str, Any]:
     """reports/metrics.json: what `dvc exp show` compares across experiments, a few numbers per variant."""
-    get = {name: r.record for name, r in results.items()}
+    get = {name: r.record for name, r in f.results.items()}
     fair = speed["variants"] if speed else {}
-    done = fitted(results)
-    both = "baseline" in done and "accumulation" in done
     out: dict[str, Any] = {
-        "memory_ratio": round(peak_mib(get["accumulation"]) / peak_mib(get["baseline"]), 4) if both else None,
+        "memory_ratio": round(f.memory_ratio, 4) if f.memory_ratio is not None else None,
         "world_size": max(m.world_size for m in get.values()),
     }
     for name, m in get.items():
@@ -431,15 +483,7 @@ def summary_metrics(results: Results, speed: dict[str, Any] | None = None) -> di
     return out
 
 
-LEVERS = (  # (variant, lever): the same work as the groupnorm control, with one memory lever or two
-    ("groupnorm_precision", "precision"),
-    ("accumulation", "accumulation"),
-    ("checkpointing", "activation checkpointing"),
-    ("accum_checkpointing", "accumulation + checkpointing"),
-)
-
-
-def speed_ratios(speed: dict[str, Any], reference: str = SPEED_REFERENCE) -> dict[str, dict[str, float]]:
+def speed_ratios(speed: dict[str, Any], reference: str) -> dict[str, dict[str, float]]:
     """Each variant's speed over the reference's within each interleaved round: the median ratio and its range."""
     ref = speed["variants"].get(reference, {}).get("images_per_s")
     out = {}
@@ -478,29 +522,28 @@ def speed_verdict(r: dict[str, float]) -> str:
     return f"not resolved: faster in {int(r['faster'])} of {n} rounds, slower in {int(r['slower'])}"
 
 
-def lever_table(results: Results, speed: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Each memory lever against the groupnorm control (same norm, lr and batch, none of the levers); speed
+def lever_table(f: Findings) -> list[dict[str, Any]]:
+    """Each memory lever against the norm control (same norm, lr and batch, none of the levers); speed
     from the interleaved measurement only."""
-    done, ratios = fitted(results), speed_ratios(speed) if speed else {}
-    ref = done.get("groupnorm")
+    ref, ratios = f.role("norm_control"), f.speed
     if not ref:
         return []
-    rows = []
-    for name, lever in LEVERS:
-        m = done.get(name)
+    rows, against = [], f"vs {f.roles.norm_control}"
+    for name, lever in f.roles.levers.items():
+        m = f.done.get(name)
         if m is None:
-            if name in results:  # not run, or did not fit: say so in the lever's row
+            if name in f.results:  # not run, or did not fit: say so in the lever's row
                 rows.append(
-                    {"lever": lever, "variant": name, "peak memory vs groupnorm": results[name].record.why_not()}
+                    {"lever": lever, "variant": name, f"peak memory {against}": f.results[name].record.why_not()}
                 )
             continue
         rows.append(
             {
-                "lever": lever + (f" ({m.amp} instead of {ref.amp})" if name == "groupnorm_precision" else ""),
+                "lever": lever + (f" ({m.amp} instead of {ref.amp})" if m.amp != ref.amp else ""),
                 "variant": name,
-                "peak memory vs groupnorm": fmt(peak_mib(m) / peak_mib(ref), 2),
+                f"peak memory {against}": fmt(peak_mib(m) / peak_mib(ref), 2),
                 "memory saved (MiB)": fmt(peak_mib(ref) - peak_mib(m), 0),
-                "throughput vs groupnorm, interleaved: median (range)": ratio_text(ratios.get(name)),
+                f"throughput {against}, interleaved: median (range)": ratio_text(ratios.get(name)),
                 "speed verdict": speed_verdict(ratios[name]) if name in ratios else "-",
                 "final train loss": seed_text(m, "final_train_loss"),
                 "test accuracy": seed_text(m, "test_accuracy"),
@@ -538,17 +581,10 @@ MEASURED_HERE = {"cuda": "measured on this GPU (nvidia-smi)", "cpu": "measured o
 PREDICTED_GPU = "predicted for a GPU (study scale, traced)"
 
 
-def answers(
-    results: Results,
-    grad: dict[str, Any] | None,
-    device: str,
-    speed: dict[str, Any] | None,
-    predicted: dict[str, str],
-) -> list[dict[str, str]]:
+def answers(f: Findings, grad: dict[str, Any] | None, device: str, predicted: dict[str, str]) -> list[dict[str, str]]:
     """The report's first screen: each question answered in a sentence, what this run measured beside what
     the trace predicts for a GPU (`predicted`, by question); the numbers behind each follow (finding_details)."""
-    done = fitted(results)
-    base, acc, gn = done.get("baseline"), done.get("accumulation"), done.get("groupnorm")
+    base, acc, gn = f.role("baseline"), f.role("treatment"), f.role("norm_control")
     here = MEASURED_HERE["cuda" if device == "cuda" else "cpu"]
     rows = []
     if acc and base:
@@ -557,17 +593,17 @@ def answers(
         if gn:
             text += f"; {a / peak_mib(gn):.2f} x its norm control's, so the micro-batch saves it, not the norm"
         rows.append({"question": SAVES, "answer": text + "."})
-    elif acc and "baseline" in results:  # the baseline ran out of memory: the answer the tutorial met
-        failed = peak_mib(results["baseline"].record)
+    elif acc and f.roles.baseline in f.results:  # the baseline ran out of memory: the answer the tutorial met
+        failed = peak_mib(f.results[f.roles.baseline].record)
         at = f" ({failed:.0f} MiB when it failed)" if failed else ""
         answer = f"Yes: it trained at {peak_mib(acc):.0f} MiB; the baseline did not fit{at}."
         rows.append({"question": SAVES, "answer": answer})
-    if speed and acc and (r := speed_ratios(speed).get("accumulation")):
+    if acc and (r := f.speed.get(f.roles.treatment)):
         answer = f"{ratio_text(r)} x its control's speed: {speed_verdict(r)}."
         rows.append({"question": COSTS, "answer": answer})
     if grad and acc and gn:
         same = "Yes" if grad["groupnorm_equal"] else "No"
-        a_loss, g_loss = seed_mean(acc, "final_train_loss"), seed_mean(gn, "final_train_loss")
+        a_loss, g_loss = f.mean_loss("treatment"), f.mean_loss("norm_control")
         rows.append(
             {
                 "question": SAME,
@@ -575,7 +611,7 @@ def answers(
                 f"{a_loss:.4f} against {g_loss:.4f} without accumulation.",
             }
         )
-    if split := norm_or_lr_answer(done):
+    if split := norm_or_lr_answer(f):
         rows.append({"question": NORM_OR_LR, "answer": split})
     return [
         {"question": r["question"], here: r["answer"], PREDICTED_GPU: predicted.get(r["question"], NOT_PREDICTED)}
@@ -588,7 +624,7 @@ NOT_PREDICTED = "Not predicted: the trace gives memory only; a GPU run measures 
 
 
 def finding_details(
-    results: Results,
+    f: Findings,
     grad: dict[str, Any] | None,
     plan: dict[str, Any] | None,
     device: str,
@@ -596,12 +632,12 @@ def finding_details(
 ) -> list[dict[str, str]]:
     """The numbers behind the first screen: memory saved against the baseline and the norm control, the speed
     rounds, and whether the training is the same one. Every number from the records."""
-    get, done = {name: r.record for name, r in results.items()}, fitted(results)
-    base, acc, gn = done.get("baseline"), done.get("accumulation"), done.get("groupnorm")
+    base, acc, gn = f.role("baseline"), f.role("treatment"), f.role("norm_control")
+    failed_base = f.results[f.roles.baseline].record if f.roles.baseline in f.results else None
     what = "GPU memory (nvidia-smi)" if device == "cuda" else "host memory (RSS)"
     rows = []
     if acc:
-        saved = [f"accumulation ({acc.accum} x {acc.micro_batch}) peaked at {peak_mib(acc):.0f} MiB of {what}"]
+        saved = [f"{f.roles.treatment} ({acc.accum} x {acc.micro_batch}) peaked at {peak_mib(acc):.0f} MiB of {what}"]
         if base:
             a, b = peak_mib(acc), peak_mib(base)
             saved.append(f"{a / b:.2f} x the baseline's {b:.0f} MiB at batch {base.batch}")
@@ -611,22 +647,22 @@ def finding_details(
                     f"the part that grows with the batch (peak less the sweep's fixed "
                     f"{plan['fit']['fixed_mib']:.0f} MiB): {a2:.0f} / {b2:.0f} MiB = {a2 / b2:.2f}"
                 )
-        elif "baseline" in get:
-            saved.append(f"the baseline (batch {get['baseline'].batch}) {get['baseline'].why_not()}")
+        elif failed_base:
+            saved.append(f"the baseline (batch {failed_base.batch}) {failed_base.why_not()}")
         if gn:
             saved.append(
-                f"{peak_mib(acc) / peak_mib(gn):.2f} x the groupnorm control's {peak_mib(gn):.0f} MiB (same norm "
-                "and lr, accum 1): the saving comes from the micro-batch, not from the norm"
+                f"{peak_mib(acc) / peak_mib(gn):.2f} x the {f.roles.norm_control} control's {peak_mib(gn):.0f} MiB "
+                "(same norm and lr, accum 1): the saving comes from the micro-batch, not from the norm"
             )
         rows.append({"question": "How much memory does accumulation save?", "answer": "; ".join(saved)})
     if speed and acc:
-        r = speed_ratios(speed).get("accumulation")
-        base_r = speed_ratios(speed).get("baseline")
+        r, base_r = f.speed.get(f.roles.treatment), f.speed.get(f.roles.baseline)
         rows.append(
             {
                 "question": "What does it cost in speed?",
-                "answer": f"accumulation ran at {ratio_text(r)} x the speed of its control, groupnorm (median and "
-                f"range over {speed['rounds']} interleaved rounds of {speed['steps']} optimizer step(s) each)"
+                "answer": f"{f.roles.treatment} ran at {ratio_text(r)} x the speed of its control, "
+                f"{f.roles.norm_control} (median and range over {speed['rounds']} interleaved rounds of "
+                f"{speed['steps']} optimizer step(s) each)"
                 + (f": {speed_verdict(r)}" if r else "")
                 + (f"; the baseline at {ratio_text(base_r)} x: {speed_verdict(base_r)}" if base_r else ""),
             }
@@ -640,7 +676,7 @@ def finding_details(
             f"with BatchNorm by at least {grad['batchnorm_min']:.2f}"
         )
     if acc and gn:
-        a_loss, g_loss = seed_mean(acc, "final_train_loss"), seed_mean(gn, "final_train_loss")
+        a_loss, g_loss = f.mean_loss("treatment"), f.mean_loss("norm_control")
         same.append(
             f"final train loss {seed_text(acc, 'final_train_loss')} with accumulation against "
             f"{seed_text(gn, 'final_train_loss')} for its control ({abs(a_loss - g_loss) / g_loss:.1e} relative); "

@@ -12,6 +12,7 @@ import pandas as pd
 
 from gradaccum import planner
 from gradaccum.accumulation import micro_batch_size
+from gradaccum.params import Roles
 from gradaccum.report.tables import COSTS, SAVES, Results, fmt, peak_mib
 from gradaccum.tutorial import CLAIM_TOLERANCE, CLAIMS
 
@@ -39,10 +40,10 @@ PREDICTED = (  # the study scale's predicted GPU figures (gradaccum/allocator.py
 GOALS = {"allocated": 0.03, "reserved": 0.10, "nvidia-smi": 0.10}  # how close a prediction must come to count
 
 
-def gpu_answers(trace: dict[str, Any]) -> dict[str, str]:
+def gpu_answers(trace: dict[str, Any], roles: Roles) -> dict[str, str]:
     """The report's first screen, by question: what the trace predicts for a GPU at the study scale."""
     rows = rows_at(trace, "study")
-    acc, base, gn = rows.get("accumulation"), rows.get("baseline"), rows.get("groupnorm")
+    acc, base, gn = (rows.get(n) for n in (roles.treatment, roles.baseline, roles.norm_control))
     out = {COSTS: "Not predicted: speed needs a GPU run (scripts/gpu_check.sh)."}
     if acc and base:
         text = (
@@ -102,11 +103,11 @@ def gpu_verdicts(trace: dict[str, Any], results: Results) -> str:
     return "; ".join(parts) + "." if parts else "No variant measured on a GPU to hold the predictions against."
 
 
-def groupnorm_cost(trace: dict[str, Any]) -> str:
+def groupnorm_cost(trace: dict[str, Any], roles: Roles) -> str:
     """The finding: what GroupNorm costs over BatchNorm on a GPU, per sample at the same micro-batch (the
     accumulation variant against its BatchNorm control, both traced under CUDA's autocast rules)."""
     study = rows_at(trace, "study")
-    group, batch = study.get("accumulation", {}), study.get("accum_batchnorm", {})
+    group, batch = study.get(roles.treatment, {}), study.get(roles.accum_control, {})
     if "peak_mib" not in group or "peak_mib" not in batch or group["micro_batch"] != batch["micro_batch"]:
         return ""
     micro, ratio = group["micro_batch"], group["activations_mib"] / batch["activations_mib"]
@@ -209,24 +210,20 @@ def card_rows(trace: dict[str, Any], batch: int, cards_gb: list[float], margin: 
     return out
 
 
-def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool) -> list[dict[str, str]]:
+def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool, roles: Roles) -> list[dict[str, str]]:
     """The tutorial's nvidia-smi figures against the predicted nvidia-smi figure of the same step, and what share
     of each the traced tensors, the caching allocator's cache and the CUDA context explain, and what is left.
 
-    The 13.7 GB was the tutorial's own code (plain GroupNorm swap), so `tutorial_accumulation` answers it; the
+    The 13.7 GB was the tutorial's own code (plain GroupNorm swap), so the tutorial_code role answers it; the
     claimed GB are read as GiB, as nvidia-smi's MiB divided by 1024. Each claim is held against the step at the
     tutorial's settings (4 x 8192 of 32768, traced whatever params.yaml says); where this run's differ, the row
     says so and shows this run's too, and a GPU's measurement (made at this run's settings) is shown beside it."""
     this_run = rows_at(trace, "study")
-    study = this_run | {r["variant"]: r for r in trace.get("tutorial_settings", [])}  # older traces: this run's
+    study = this_run | {r["variant"]: r for r in trace["tutorial_settings"]}
     out = []
     claims = (
-        ("baseline", "about 30 GB at batch 32768 (BatchNorm), in nvidia-smi", CLAIMS["baseline_gb"]),
-        (
-            "tutorial_accumulation" if "tutorial_accumulation" in study else "accumulation",
-            "about 13.7 GB with 8192 x 4 (GroupNorm), in nvidia-smi",
-            CLAIMS["accumulation_gb"],
-        ),
+        (roles.baseline, "about 30 GB at batch 32768 (BatchNorm), in nvidia-smi", CLAIMS["baseline_gb"]),
+        (roles.tutorial_code, "about 13.7 GB with 8192 x 4 (GroupNorm), in nvidia-smi", CLAIMS["accumulation_gb"]),
     )
     for name, text, gb in claims:
         r = study.get(name, {})
@@ -267,7 +264,7 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool) -> li
                 ),
             }
         )
-    base, acc = study.get("baseline", {}), study.get(claims[1][0], {})
+    base, acc = study.get(roles.baseline, {}), study.get(roles.tutorial_code, {})
     if "gpu_nvidia_smi_mib" in base and "gpu_nvidia_smi_mib" in acc:
         claimed = CLAIMS["accumulation_gb"] / CLAIMS["baseline_gb"]
         ratio = acc["gpu_nvidia_smi_mib"] / base["gpu_nvidia_smi_mib"]
@@ -275,8 +272,9 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool) -> li
         out.append(
             {
                 "tutorial's claim": f"accumulation needs {claimed:.0%} of the baseline's memory, at the study's scale",
-                "measured": f"`{claims[1][0]}` over `baseline` at the tutorial's settings ({acc['accum']} x "
-                f"{acc['micro_batch']} against 1 x {base['micro_batch']}), predicted nvidia-smi: {ratio:.2f} "
+                "measured": f"`{roles.tutorial_code}` over `{roles.baseline}` at the tutorial's settings "
+                f"({acc['accum']} x {acc['micro_batch']} against 1 x {base['micro_batch']}), predicted nvidia-smi: "
+                f"{ratio:.2f} "
                 f"({acc['gpu_nvidia_smi_mib'] / 1024:.1f} / {base['gpu_nvidia_smi_mib'] / 1024:.1f} GiB); "
                 f"the tensors alone {tensors:.2f}",
                 "measured / claimed": fmt(ratio / claimed, 2),
