@@ -43,11 +43,11 @@ def compare(
         model = build_model(**p.model.model_dump(), norm="group", seed=p.seed, matmul_depthwise=arm == ARMS[1])
         model = model.to(memory_format=torch.channels_last) if arm == "channels_last" else model
         arms[arm] = (model, make_optimizer(model, 3e-4), make_scaler(torch.device("cpu"), dtype))
-    plan = schedule(IMAGES, micro, accum)
+    batches = schedule(IMAGES, micro, accum)
 
     def run(arm: str) -> float:
         start = time.perf_counter()
-        train_epoch(*arms[arm], images, labels, torch.arange(IMAGES), plan, dtype)
+        train_epoch(*arms[arm], images, labels, torch.arange(IMAGES), batches, dtype)
         return time.perf_counter() - start
 
     for arm in ARMS:

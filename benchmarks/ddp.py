@@ -44,15 +44,15 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (BATCH, 28, 28), dtype=torch.uint8, generator=g)
     labels = torch.randint(0, 10, (BATCH,), generator=g)
-    plan = schedule(BATCH, micro_batch_size(BATCH, ACCUM * world), ACCUM, rank=rank, world=world)
+    batches = schedule(BATCH, micro_batch_size(BATCH, ACCUM * world), ACCUM, rank=rank, world=world)
     seconds: dict[bool, list[float]] = {True: [], False: []}
     allreduces: dict[bool, list[int]] = {True: [], False: []}
-    train_epoch(model, opt, scaler, images, labels, torch.arange(BATCH), plan, None)  # warm-up
+    train_epoch(model, opt, scaler, images, labels, torch.arange(BATCH), batches, None)  # warm-up
     for _ in range(args.repeats):
         for no_sync in (True, False):
             before = len(calls)
             start = time.perf_counter()
-            train_epoch(model, opt, scaler, images, labels, torch.arange(BATCH), plan, None, no_sync=no_sync)
+            train_epoch(model, opt, scaler, images, labels, torch.arange(BATCH), batches, None, no_sync=no_sync)
             seconds[no_sync].append(time.perf_counter() - start)
             allreduces[no_sync].append(len(calls) - before)  # bucket all-reduces (hook calls) in this window
     buckets = len(set(calls))

@@ -116,12 +116,12 @@ def bench_loops(p, device, s, arrays, repeats: int) -> dict[str, Any]:
             persistent_workers=True,
             pin_memory=device.type == "cuda",
         )
-        plan = schedule(n, micro, accum)
+        batches = schedule(n, micro, accum)
         ours, timm_model = setup(p, device, norm="batch"), setup(p, device, norm="batch", matmul_depthwise=False)
         arms = {  # the project as it trains; its loop on timm's model as the tutorial built it; the tutorial
-            "ours": lambda: train_epoch(*ours[:3], images, labels, torch.randperm(n, device=device), plan, ours[3]),
+            "ours": lambda: train_epoch(*ours[:3], images, labels, torch.randperm(n, device=device), batches, ours[3]),
             "loop": lambda: train_epoch(
-                *timm_model[:3], images, labels, torch.randperm(n, device=device), plan, ours[3]
+                *timm_model[:3], images, labels, torch.randperm(n, device=device), batches, ours[3]
             ),
             "tutorial": lambda: tutorial_loop(*timm_model[:3], loader, accum, device, ours[3]),
         }
@@ -184,10 +184,10 @@ def bench_sampler(p, device, s, arrays, repeats: int) -> dict[str, Any]:
     n, micro = s["images"], s["micro"]
     images, labels = on_device(arrays, n, device)
     model, opt, scaler, dtype = setup(p, device)
-    plan = schedule(n, micro, 1)
+    batches = schedule(n, micro, 1)
 
     def plain() -> None:
-        train_epoch(model, opt, scaler, images, labels, torch.arange(n, device=device), plan, dtype)
+        train_epoch(model, opt, scaler, images, labels, torch.arange(n, device=device), batches, dtype)
 
     def sampled() -> None:
         with MemorySampler(device.type, p.memory.interval_ms):

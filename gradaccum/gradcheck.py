@@ -58,8 +58,8 @@ def loop_gradients(
 ) -> list[torch.Tensor]:
     """Each window's gradient as `train_epoch` accumulates it over `perm`'s order (float32, one process)."""
     recorder = GradientRecorder(model.parameters())
-    plan = schedule(len(perm), micro, accum, weighting, epoch_end_step)
-    train_epoch(model, recorder, make_scaler(images.device, None), images, labels, perm, plan, None)
+    batches = schedule(len(perm), micro, accum, weighting, epoch_end_step)
+    train_epoch(model, recorder, make_scaler(images.device, None), images, labels, perm, batches, None)
     return recorder.gradients
 
 
@@ -82,7 +82,7 @@ def window_differences(
     weighting: str = "exact",
     fulls: dict[tuple[int, int], torch.Tensor] | None = None,
 ) -> list[float]:
-    """Per window of the loop's plan: its accumulated gradient against the full-batch gradient of its samples;
+    """Per window of the loop's schedule: its accumulated gradient against the full-batch gradient of its samples;
     `fulls` keeps those by window, for the next call on the same model (accum 1 to 4 share their windows)."""
     fulls = {} if fulls is None else fulls
     got = loop_gradients(model, images, labels, perm, micro, accum, weighting)

@@ -66,7 +66,7 @@ def train_epoch(
     images: torch.Tensor,
     labels: torch.Tensor,
     perm: torch.Tensor,
-    plan: list[MicroBatch],
+    batches: list[MicroBatch],
     dtype: torch.dtype | None,
     progress: bool = False,
     no_sync: bool = True,
@@ -81,7 +81,7 @@ def train_epoch(
     model.train()
     window_sum, window_n, windows = torch.zeros((), device=images.device), 0, []  # (loss sum, samples) a window
     steps = skipped = 0
-    for mb in tqdm(plan, desc="  micro-batches", leave=False, disable=None if progress else True):
+    for mb in tqdm(batches, desc="  micro-batches", leave=False, disable=None if progress else True):
         idx = perm[mb.start : mb.stop]
         quiet = isinstance(model, DDP) and no_sync and not mb.step
         with model.no_sync() if quiet else nullcontext():  # the forward too: DDP prepares the all-reduce there
@@ -152,14 +152,14 @@ def train(
     opt = make_optimizer(model, spec.lr, spec.weight_decay)
     scaler = make_scaler(device, dtype)
     n = len(data["train_y"])
-    plan = schedule(n, spec.micro_batch, spec.accum, spec.weighting, spec.epoch_end_step, rank, spec.world)
+    batches = schedule(n, spec.micro_batch, spec.accum, spec.weighting, spec.epoch_end_step, rank, spec.world)
     shuffle = torch.Generator().manual_seed(seed)
     curves, progress = Curves(), rank == 0
     for epoch in tqdm(range(1, spec.epochs + 1), desc="epochs", unit="epoch", disable=None if progress else True):
         perm = torch.randperm(n, generator=shuffle).to(device)
         start, losses = time.perf_counter(), []
         train_loss, steps, skipped = train_epoch(
-            model, opt, scaler, data["train_x"], data["train_y"], perm, plan, dtype, progress, step_losses=losses
+            model, opt, scaler, data["train_x"], data["train_y"], perm, batches, dtype, progress, step_losses=losses
         )
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -37,19 +37,19 @@ def time_variants(specs: list[RunSpec], data: dict[str, torch.Tensor], rounds: i
             continue
         model = variant_model(spec, spec.seed, device)  # one process: no DDP, no SyncBatchNorm
         opt, scaler = make_optimizer(model, spec.lr, spec.weight_decay), make_scaler(device, spec.dtype)
-        plan = schedule(n, spec.micro_batch, spec.accum, spec.weighting, spec.epoch_end_step)
-        arms[spec.variant] = (spec, model, opt, scaler, plan)
+        batches = schedule(n, spec.micro_batch, spec.accum, spec.weighting, spec.epoch_end_step)
+        arms[spec.variant] = (spec, model, opt, scaler, batches)
         out[spec.variant] = {"accum": spec.accum, "micro_batch": spec.micro_batch, "images_per_s": []}
     names, compute = list(arms), 0.0
     for r in range(rounds + 1):  # round 0 warms every variant up (allocator, kernels) and is not kept
         for name in names[r % len(names) :] + names[: r % len(names)] if names else []:
             if "did_not_fit" in out[name]:
                 continue
-            spec, model, opt, scaler, plan = arms[name]
+            spec, model, opt, scaler, batches = arms[name]
             try:
                 with cudnn_settings(spec.cudnn, device):  # as the variant trains (a GPU only)
                     start = time.perf_counter()
-                    train_epoch(model, opt, scaler, images, labels, order, plan, spec.dtype)
+                    train_epoch(model, opt, scaler, images, labels, order, batches, spec.dtype)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     seconds = time.perf_counter() - start

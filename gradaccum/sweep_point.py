@@ -50,12 +50,12 @@ def measure_point(
     row.update(micro_batch=micro, checkpointing=checkpointing, fit=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    order, plan = torch.arange(n, device=device), schedule(n, micro, 1)
+    order, batches = torch.arange(n, device=device), schedule(n, micro, 1)
     try:
         seconds = 0.0
         for epoch in range(2):  # steps, the evaluation training does between epochs, steps again
             start = time.perf_counter()
-            train_epoch(model, opt, scaler, images, labels, order, plan, dtype)
+            train_epoch(model, opt, scaler, images, labels, order, batches, dtype)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds += time.perf_counter() - start

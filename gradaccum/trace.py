@@ -125,12 +125,12 @@ def trace_step(
     accum: int,
     num_classes: int,
     dtype: torch.dtype | None,
-    data: int = 0,
+    resident: int = 0,
     policy: str = autocast_policy.CPU,
 ) -> dict[str, Any]:
     """MiB live at the peak of a steady-state step on fake tensors, in total and by kind, and whose rules cast it.
 
-    `data` uint8 images stay resident, as training keeps its dataset on the device. `policy` is whose
+    `resident` uint8 images stay resident, as training keeps its dataset on the device. `policy` is whose
     autocast rules cast each op ("cuda" or "cpu"): a GPU figure needs CUDA's, and with them comes what
     CUDA's caching allocator would make of the same allocations (gradaccum/allocator.py): its allocated
     and reserved peaks and the nvidia-smi figure they predict.
@@ -140,7 +140,7 @@ def trace_step(
     with rules as difference, FakeTensorMode(), torch.device(device):  # made there: a fake module cannot move
         model = build()
         opt = steady_optimizer(model, accum, policy)
-        dataset = torch.empty(data, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8, device=device)
+        dataset = torch.empty(resident, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8, device=device)
         tracker = PeakTracker()
         tracker.track_external(model, opt, dataset)
         with tracker:
@@ -157,7 +157,12 @@ def trace_step(
 
 
 def allocated_peak_mib(
-    build: Callable[[], nn.Module], micro: int, accum: int, num_classes: int, dtype: torch.dtype | None, data: int = 0
+    build: Callable[[], nn.Module],
+    micro: int,
+    accum: int,
+    num_classes: int,
+    dtype: torch.dtype | None,
+    resident: int = 0,
 ) -> float:
     """The same step on real CPU tensors: the peak of what PyTorch's CPU allocator handed out, from the
     profiler's record of every allocation and free (kernels' own workspaces included, which a trace misses)."""
@@ -165,7 +170,7 @@ def allocated_peak_mib(
     with quiet_native_stderr(), profile as prof:
         model = build()
         opt = steady_optimizer(model, accum)
-        dataset = torch.empty(data, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
+        dataset = torch.empty(resident, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
         step(model, opt, micro, num_classes, dtype)
         del model, opt, dataset
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
@@ -252,12 +257,12 @@ def trace_variant(
         return row | {"note": "accum: auto is decided on the device that runs it; see python -m gradaccum.cards"}
     build = with_fast_norm(variant_builder(spec)) if fast_norm else variant_builder(spec)
     args = (build, spec.micro_batch, spec.accum, spec.model.num_classes, spec.dtype)
-    data = spec.train_samples + spec.test_samples
+    resident = spec.train_samples + spec.test_samples
     row |= {"accum": spec.accum, "micro_batch": spec.micro_batch, "amp": spec.amp}
     row |= {"fast_norm": True} if fast_norm else {}
-    row |= trace_step(*args, data, policy=autocast_policy.NATIVE_CUDA if native else spec.device)
+    row |= trace_step(*args, resident, policy=autocast_policy.NATIVE_CUDA if native else spec.device)
     if allocated:
-        row["allocated_peak_mib"] = allocated_peak_mib(*args, data)
+        row["allocated_peak_mib"] = allocated_peak_mib(*args, resident)
     return row
 
 
@@ -281,7 +286,7 @@ def peak_line(
     dtype: torch.dtype | None,
     micros: tuple[int, int],
     num_classes: int,
-    data: int,
+    resident: int,
     policy: str = autocast_policy.CPU,
 ) -> dict[str, Any]:
     """The traced peak as a line in the micro-batch (the planner's `fit` format), from two sizes; under
@@ -292,7 +297,7 @@ def peak_line(
     peak between them. Traced with a window's gradients held (accum > 1), the larger of the two steady
     states, so a suggested accum never falls short.
     """
-    rows = [trace_step(build, m, 2, num_classes, dtype, data, policy) for m in micros]
+    rows = [trace_step(build, m, 2, num_classes, dtype, resident, policy) for m in micros]
     low, high = (figure(r) for r in rows)
     per_sample = (high - low) / (micros[1] - micros[0])
     line = {"fixed_mib": low - per_sample * micros[0], "per_sample_mib": per_sample, "r2": 1.0}
@@ -309,8 +314,8 @@ def scale_line(p: Params, scale: str, build: Callable[[], nn.Module], dtype: tor
     """`peak_line` at `scale`, between its smallest and largest sweep sizes, its data resident."""
     s = p.scale_settings(scale)
     micros = (s.sweep_micro_batches[0], s.sweep_micro_batches[-1])
-    data = s.train_samples + s.test_samples
-    return peak_line(build, dtype, micros, p.model.num_classes, data, DEVICES[scale])
+    resident = s.train_samples + s.test_samples
+    return peak_line(build, dtype, micros, p.model.num_classes, resident, DEVICES[scale])
 
 
 def variant_line(p: Params, spec: RunSpec) -> dict[str, Any]:

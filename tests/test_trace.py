@@ -36,7 +36,7 @@ def test_a_linear_models_step_traces_to_the_hand_count() -> None:
     of the weight's size (the CPU's one-tensor loop: the second moment's square root, then that over the bias
     correction), the step counter (4 bytes), and the resident data. CUDA's foreach: tests/test_allocator.py."""
     data = 1000
-    r = trace.trace_step(linear, micro=1, accum=2, num_classes=10, dtype=None, data=data)
+    r = trace.trace_step(linear, micro=1, accum=2, num_classes=10, dtype=None, resident=data)
     assert r["parameters_mib"] * MIB == P and r["gradients_mib"] * MIB == P and r["data_mib"] * MIB == data * PIXELS
     assert r["optimizer_mib"] * MIB == 4 * P + 4
     assert r["peak_mib"] * MIB == 6 * P + 4 + data * PIXELS
@@ -52,8 +52,8 @@ def test_a_linear_models_activations_are_the_tensors_backward_needs() -> None:
 
 def test_the_real_allocators_peak_equals_the_trace() -> None:
     """The same step on real CPU tensors, every allocation recorded by the profiler: not a byte apart."""
-    traced = trace.trace_step(linear, micro=512, accum=2, num_classes=10, dtype=None, data=100)["peak_mib"]
-    assert trace.allocated_peak_mib(linear, micro=512, accum=2, num_classes=10, dtype=None, data=100) == traced
+    traced = trace.trace_step(linear, micro=512, accum=2, num_classes=10, dtype=None, resident=100)["peak_mib"]
+    assert trace.allocated_peak_mib(linear, micro=512, accum=2, num_classes=10, dtype=None, resident=100) == traced
 
 
 def test_efficientnet_at_the_cpu_scale_is_within_1pct_of_real_allocations() -> None:
