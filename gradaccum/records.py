@@ -125,6 +125,7 @@ class Facts(BaseModel):
 
 class Cpu(Facts):
     name: str
+    cores: int | None = None
     native_bfloat16: bool  # oneDNN's bfloat16 kernels; without them bfloat16 is emulated, many times slower
 
 
@@ -132,6 +133,8 @@ class Gpu(Facts):
     name: str
     count: int
     memory_total_mib: float
+    driver: str | None = None  # nvidia-smi's, where it answers
+    cuda: str | None = None  # the CUDA version torch was built for
 
 
 class Hardware(Facts):

@@ -12,12 +12,12 @@ from gradaccum.refusal import BadInput, refuse
 from gradaccum.report import Inputs, build, load_variants, tables
 from stages.paths import (
     GRADCHECK,
-    HARDWARE,
     PROVENANCE,
     SPEED,
     SWEEP_PLAN,
     TRACE,
     VARIANTS,
+    hardware,
     read,
     read_if_there,
     variant_dir,
@@ -44,7 +44,7 @@ def main() -> None:
     }
     inputs = Inputs(
         params=p,
-        hardware=read(HARDWARE),
+        hardware=hardware(),
         provenance=read(PROVENANCE),
         results=results,
         plan=read_if_there(SWEEP_PLAN),

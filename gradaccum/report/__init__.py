@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from gradaccum import planner
 from gradaccum.outputs import MissingInput
 from gradaccum.params import Params
-from gradaccum.records import VariantRecord
+from gradaccum.records import Hardware, VariantRecord
 from gradaccum.report import figures, tables, traced
 from gradaccum.report.document import Report
 from gradaccum.tutorial import CLAIM_TOLERANCE
@@ -34,7 +34,7 @@ class Inputs:
     """Everything the report reads, loaded: the params, the machine, the data's provenance, every record."""
 
     params: Params
-    hardware: dict[str, Any]
+    hardware: Hardware
     provenance: dict[str, Any]
     results: tables.Results
     plan: dict[str, Any] | None = None  # the sweep's result
@@ -85,35 +85,35 @@ def carries_over(plan: dict[str, Any] | None) -> str:
 
 def build(inputs: Inputs) -> Report:
     hw, p = inputs.hardware, inputs.params
-    rep = Report(title=f"Gradient accumulation study: {hw['scale']} scale on {hw['device']}")
-    if hw["scale"] != "study":
-        scale = p.scale_settings(hw["scale"])
-        rep.stamp = f"{hw['scale'].upper()} SCALE - not the tutorial's study"
+    rep = Report(title=f"Gradient accumulation study: {hw.scale} scale on {hw.device}")
+    if hw.scale != "study":
+        scale = p.scale_settings(hw.scale)
+        rep.stamp = f"{hw.scale.upper()} SCALE - not the tutorial's study"
         rep.banner(
             f"{rep.stamp}: {scale.train_samples:,} images, effective batch {scale.batch}, {scale.epochs} "
-            f"epochs on {hw['device']}; memory is host RSS, not GPU memory. {carries_over(inputs.plan)}"
+            f"epochs on {hw.device}; memory is host RSS, not GPU memory. {carries_over(inputs.plan)}"
         )
     rep.heading("What this run found")
     found = tables.findings(inputs.results, p.roles, inputs.speed)
     predicted = traced.gpu_answers(inputs.trace, p.roles) if inputs.trace else {}
-    rep.table(tables.answers(found, inputs.grad, hw["device"], predicted))
+    rep.table(tables.answers(found, inputs.grad, hw.device, predicted))
     rep.heading("The numbers behind it")
-    rep.table(tables.finding_details(found, inputs.grad, inputs.plan, hw["device"], inputs.speed))
+    rep.table(tables.finding_details(found, inputs.grad, inputs.plan, hw.device, inputs.speed))
     rep.heading("The tutorial's claims against this run")
     within = f"A claim holds where what was measured or predicted is within {CLAIM_TOLERANCE:.0%} of it"
     rep.text(within + ' (its figures are "about" figures from one run).')
-    study_on_gpu = hw["scale"] == "study" and hw["device"] == "cuda"
+    study_on_gpu = hw.scale == "study" and hw.device == "cuda"
     claims = tables.claims_table(found, study_on_gpu, inputs.grad, inputs.plan)
     tutorial_rows = traced.tutorial_claims(inputs.trace, inputs.results, study_on_gpu, p.roles) if inputs.trace else []
     rep.table(claims[:2] + tutorial_rows + claims[2:])  # the tutorial's GPU figures, then the trace beside them
-    rep.text(tables.steps_note(p, hw["scale"]))
+    rep.text(tables.steps_note(p, hw.scale))
     seed_section(rep, inputs.results, p.seeds)
     lever_section(rep, found)
     if inputs.speed:
         speed_section(rep, found, inputs.speed)
     figures.epoch_figures(rep, inputs.results, p.roles)
-    figures.memory_timeline(rep, inputs.results, hw["device"], p.roles)
-    figures.peak_memory(rep, inputs.results, hw["device"])
+    figures.memory_timeline(rep, inputs.results, hw.device, p.roles)
+    figures.peak_memory(rep, inputs.results, hw.device)
     cards = planner.cards_for(inputs.plan, p.memory.cards_gb, p.memory.safety_margin) if inputs.plan else []
     if inputs.plan:
         figures.sweep(rep, inputs.plan, cards)
@@ -123,7 +123,7 @@ def build(inputs: Inputs) -> Report:
         planner_section(rep, inputs.plan, cards, inputs.results, inputs.trace)
     if inputs.trace:
         trace_section(rep, inputs)
-    if hw["device"] == "cuda":
+    if hw.device == "cuda":
         nvidia_smi_section(rep, inputs)
     time_section(rep, inputs)
     rep.heading("Variants")
@@ -136,21 +136,20 @@ def build(inputs: Inputs) -> Report:
     return rep
 
 
-def what_ran(rep: Report, p: Params, hw: dict[str, Any], prov: dict[str, Any]) -> None:
+def what_ran(rep: Report, p: Params, hw: Hardware, prov: dict[str, Any]) -> None:
     """Provenance: scale, machine, data and its checksums, training settings, versions, the commit."""
     rep.heading("What ran")
-    scale = p.scale_settings(hw["scale"])
+    scale = p.scale_settings(hw.scale)
     where = (
-        f"{hw['gpu']['name']} ({hw['gpu']['memory_total_mib']} MiB), driver {hw['gpu']['driver']}, "
-        f"CUDA {hw['gpu']['cuda']}"
-        if hw["device"] == "cuda"
-        else f"CPU only: {hw['cpu']['name']}, {hw['cpu']['cores']} cores"
+        f"{hw.gpu.name} ({hw.gpu.memory_total_mib:.0f} MiB), driver {hw.gpu.driver}, CUDA {hw.gpu.cuda}"
+        if hw.gpu and hw.device == "cuda"
+        else f"CPU only: {hw.cpu.name}, {hw.cpu.cores} cores"
     )
-    label = "the tutorial's study" if hw["scale"] == "study" else "the CPU scale (smaller than the tutorial's study)"
+    label = "the tutorial's study" if hw.scale == "study" else "the CPU scale (smaller than the tutorial's study)"
     fallback = " - the 5,000-digit fallback sample, NOT the full MNIST" if prov["kind"] == "fallback" else ""
     counts = f"{prov['counts']['train']} train / {prov['counts']['test']} test images"
     rows = [
-        ("scale", f"{hw['scale']}: {label}"),
+        ("scale", f"{hw.scale}: {label}"),
         ("hardware", where),
         ("dataset", f"{prov['dataset']} from {prov['kind']}{fallback}: {counts}"),
         ("data source", str(prov["source"])),
@@ -251,7 +250,7 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
     """The traced peaks: the study scale by kind (against the GPU's figures where one ran), the GPU card table
     from the trace, and the CPU scale held against real allocations."""
     hw, p, trace = inputs.hardware, inputs.params, inputs.trace
-    on_gpu = hw["scale"] == "study" and hw["device"] == "cuda"
+    on_gpu = hw.scale == "study" and hw.device == "cuda"
     study = p.scale_settings("study")
     rep.heading("Predicted without a GPU: the traced peak")
     rep.text(
@@ -285,7 +284,7 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
         + (" (measured on this GPU in the sweep's points)." if on_gpu else ".")
     )
     rep.table(traced.card_rows(trace, study.batch, p.memory.cards_gb, p.memory.safety_margin))
-    cpu_results = inputs.results if hw["scale"] == "cpu" else {}
+    cpu_results = inputs.results if hw.scale == "cpu" else {}
     rep.text(
         "The CPU scale, where the trace can be held against real tensors: the same step run for real with the "
         "profiler recording every allocation and free of PyTorch's CPU allocator (its peak, kernels' own "
@@ -342,16 +341,15 @@ def time_section(rep: Report, inputs: Inputs) -> None:
     if not rows:
         return
     rep.heading("Where this run's time went")
-    cpu = inputs.hardware["cpu"]
-    emulated = inputs.hardware["device"] == "cpu" and cpu.get("native_bfloat16") is False
+    emulated = inputs.hardware.device == "cpu" and not inputs.hardware.cpu.native_bfloat16
     rep.text(
         "Wall time of each stage's process, start-up and imports included, from its own record (hardware, "
         "download and report take seconds and are not timed), split into the study's computation (the sweep's "
         "points, the gradient check, the speed stage's timed rounds, each variant's training loop) and the rest. "
         "`python -m benchmarks.repro` times a whole `dvc repro` on a fresh clone, DVC's own time included."
         + (
-            f" This CPU ({cpu['name']}) has no native bfloat16, so bfloat16 autocast is emulated and runs far "
-            "slower than float32 here."
+            f" This CPU ({inputs.hardware.cpu.name}) has no native bfloat16, so bfloat16 autocast is emulated and "
+            "runs far slower than float32 here."
             if emulated
             else ""
         )
