@@ -26,14 +26,17 @@ def missing_note(results: Results) -> str:
 
 def panels(names: list[str], roles: Roles) -> list[tuple[str, list[str]]]:
     """The variants grouped by what they compare, by their roles: one panel each, a few lines per panel, only
-    the variants present; any other variant gets a panel of its own."""
+    the variants present (the levers in the variants' order); any other variant gets a panel of its own."""
     comparisons = (
         ("accumulation against its control", (roles.norm_control, roles.treatment, roles.tutorial_code)),
         (
             "BatchNorm: accumulation, the lr, the norm",
             (roles.baseline, roles.accum_control, roles.lr_control, roles.norm_control),
         ),
-        ("the other memory levers", (roles.norm_control, *(n for n in roles.levers if n != roles.treatment))),
+        (
+            "the other memory levers",
+            (roles.norm_control, *(n for n in names if n in roles.levers and n != roles.treatment)),
+        ),
     )
     out = [(title, [n for n in group if n in names]) for title, group in comparisons]
     grouped = {n for _, group in comparisons for n in group}
