@@ -54,11 +54,12 @@ def main() -> None:
         snapshots=snapshots,
         histories=histories,
     )
-    rep = build(inputs)
+    found = tables.findings(results, p.roles, inputs.speed, inputs.plan)  # every number the report words
+    rep = build(inputs, found)
     for name, png in rep.figures.items():
         with atomic_path(FIGURES / name) as tmp:
             tmp.write_bytes(png)
-    write_json(SUMMARY, tables.summary_metrics(tables.findings(results, p.roles, inputs.speed), inputs.speed))
+    write_json(SUMMARY, tables.summary_metrics(found, inputs.speed))
     write_text(REPORT_MD, rep.markdown())
     write_text(REPORT_HTML, rep.html())
     print(f"report: {REPORT_HTML} and {REPORT_MD} ({len(rep.figures)} figures in {FIGURES})")

@@ -766,10 +766,13 @@ def test_the_findings_hold_the_numbers_and_the_first_screen_words_them(workdir: 
 
     metrics = fixture_run(workdir, "cpu")
     results = report.load_variants(list(metrics), workdir / "reports/variants")
-    found = tables.findings(results, ROLES, json.loads((workdir / "reports/speed.json").read_text()))
+    speed, plan = (json.loads((workdir / f"reports/{name}.json").read_text()) for name in ("speed", "sweep/planner"))
+    found = tables.findings(results, ROLES, speed, plan)
     rss = {n: m["memory"]["rss_peak_mib"] for n, m in metrics.items() if m["fit"]}
     assert found.memory_ratio == pytest.approx(rss["accumulation"] / rss["baseline"])
     assert found.ratio("treatment", "norm_control") == pytest.approx(rss["accumulation"] / rss["groupnorm"])
+    fixed = plan["fit"]["fixed_mib"]
+    assert found.growing == pytest.approx((rss["accumulation"] - fixed, rss["baseline"] - fixed))
     loss = {n: sum(s["final_train_loss"] for s in m["seeds"]) / len(m["seeds"]) for n, m in metrics.items() if m["fit"]}
     total, lr_part, norm_part = found.loss_split
     assert total == pytest.approx(loss["groupnorm"] - loss["baseline"])

@@ -83,7 +83,8 @@ def carries_over(plan: dict[str, Any] | None) -> str:
     )
 
 
-def build(inputs: Inputs) -> Report:
+def build(inputs: Inputs, found: tables.Findings) -> Report:
+    """The report of `inputs`, worded from `found` (tables.findings of the same inputs)."""
     hw, p = inputs.hardware, inputs.params
     rep = Report(title=f"Gradient accumulation study: {hw.scale} scale on {hw.device}")
     if hw.scale != "study":
@@ -94,16 +95,15 @@ def build(inputs: Inputs) -> Report:
             f"epochs on {hw.device}; memory is host RSS, not GPU memory. {carries_over(inputs.plan)}"
         )
     rep.heading("What this run found")
-    found = tables.findings(inputs.results, p.roles, inputs.speed)
     predicted = traced.gpu_answers(inputs.trace, p.roles) if inputs.trace else {}
     rep.table(tables.answers(found, inputs.grad, hw.device, predicted))
     rep.heading("The numbers behind it")
-    rep.table(tables.finding_details(found, inputs.grad, inputs.plan, hw.device, inputs.speed))
+    rep.table(tables.finding_details(found, inputs.grad, hw.device, inputs.speed))
     rep.heading("The tutorial's claims against this run")
     within = f"A claim holds where what was measured or predicted is within {CLAIM_TOLERANCE:.0%} of it"
     rep.text(within + ' (its figures are "about" figures from one run).')
     study_on_gpu = hw.scale == "study" and hw.device == "cuda"
-    claims = tables.claims_table(found, study_on_gpu, inputs.grad, inputs.plan)
+    claims = tables.claims_table(found, study_on_gpu, inputs.grad)
     tutorial_rows = traced.tutorial_claims(inputs.trace, inputs.results, study_on_gpu, p.roles) if inputs.trace else []
     rep.table(claims[:2] + tutorial_rows + claims[2:])  # the tutorial's GPU figures, then the trace beside them
     rep.text(tables.steps_note(p, hw.scale))

@@ -65,6 +65,7 @@ class Findings:
     done: dict[str, VariantRecord]  # the variants that trained to the end
     speed: dict[str, dict[str, float]]  # each variant's interleaved speed over the norm control's
     loss: dict[str, float]  # each finished variant's final train loss, the seeds' mean
+    fixed_mib: float | None  # on the CPU, the sweep's fitted fixed part of every peak (Python, libraries, weights)
 
     def role(self, key: str) -> VariantRecord | None:
         """The record of the variant playing `key` (baseline, treatment, ...), if it trained to the end."""
@@ -88,6 +89,15 @@ class Findings:
         return self.ratio("treatment", "baseline")
 
     @property
+    def growing(self) -> tuple[float, float] | None:
+        """On the CPU, the treatment's and the baseline's peaks less the fixed part: what grows with the batch."""
+        acc, base = self.role("treatment"), self.role("baseline")
+        if self.fixed_mib is None or not (acc and base) or acc.device != "cpu":
+            return None
+        parts = (peak_mib(acc) - self.fixed_mib, peak_mib(base) - self.fixed_mib)
+        return parts if parts[1] > 0 else None
+
+    @property
     def loss_split(self) -> tuple[float, float, float] | None:
         """The baseline-to-norm-control change in final loss, and its lr and norm parts (through lr_control)."""
         names = (self.roles.baseline, self.roles.lr_control, self.roles.norm_control)
@@ -97,7 +107,9 @@ class Findings:
         return lg - lb, ll - lb, lg - ll
 
 
-def findings(results: Results, roles: Roles, speed: dict[str, Any] | None = None) -> Findings:
+def findings(
+    results: Results, roles: Roles, speed: dict[str, Any] | None = None, plan: dict[str, Any] | None = None
+) -> Findings:
     done = fitted(results)
     return Findings(
         roles=roles,
@@ -105,6 +117,7 @@ def findings(results: Results, roles: Roles, speed: dict[str, Any] | None = None
         done=done,
         speed=speed_ratios(speed, roles.norm_control) if speed else {},
         loss={n: mean for n, m in done.items() if (mean := seed_mean(m, "final_train_loss")) is not None},
+        fixed_mib=plan["fit"]["fixed_mib"] if plan and plan["device"] == "cpu" else None,
     )
 
 
@@ -242,7 +255,7 @@ def absolute_claims(f: Findings, study_on_gpu: bool) -> list[dict[str, str]]:
     return rows
 
 
-def ratio_claims(f: Findings, plan: dict[str, Any] | None = None) -> list[dict[str, str]]:
+def ratio_claims(f: Findings) -> list[dict[str, str]]:
     """Accumulation's share of the baseline's memory, and the loss, as the tutorial compared them.
 
     On the CPU the share is judged on the part of the peak that grows with the batch: host RSS carries a
@@ -263,12 +276,12 @@ def ratio_claims(f: Findings, plan: dict[str, Any] | None = None) -> list[dict[s
         if abs(change) <= 0.10
         else f"the loss is {'higher' if change > 0 else 'lower'} by {abs(change):.0%}"
     )
-    a2, b2 = batch_part(acc, plan), batch_part(base, plan)
-    if a2 is not None and b2 is not None and b2 > 0:
+    if f.growing:
+        a2, b2 = f.growing
         memory = claim(
             text,
             f"{a2 / b2:.2f} of the part that grows with the batch ({a2:.0f} / {b2:.0f} MiB: peak less the sweep's "
-            f"fixed {plan['fit']['fixed_mib']:.0f} MiB); whole process {a / b:.2f} ({a:.0f} / {b:.0f} MiB)",
+            f"fixed {f.fixed_mib:.0f} MiB); whole process {a / b:.2f} ({a:.0f} / {b:.0f} MiB)",
             a2 / b2 / claimed,
         )
     else:
@@ -415,11 +428,9 @@ def batchnorm_claim(f: Findings, grad: dict[str, Any]) -> dict[str, str]:
     )
 
 
-def claims_table(
-    f: Findings, study_on_gpu: bool, grad: dict[str, Any] | None = None, plan: dict[str, Any] | None = None
-) -> list[dict[str, str]]:
+def claims_table(f: Findings, study_on_gpu: bool, grad: dict[str, Any] | None = None) -> list[dict[str, str]]:
     """The tutorial's claims, then the controls that separate what it changed at once (norm, accumulation)."""
-    rows = absolute_claims(f, study_on_gpu) + ratio_claims(f, plan) + control_claims(f)
+    rows = absolute_claims(f, study_on_gpu) + ratio_claims(f) + control_claims(f)
     return rows + ([batchnorm_claim(f, grad)] if grad else [])
 
 
@@ -565,15 +576,6 @@ def steps_note(p: Params, scale_name: str) -> str:
     )
 
 
-def batch_part(m: VariantRecord, plan: dict[str, Any] | None) -> float | None:
-    """On the CPU, the part of the peak that grows with the batch: the peak less the sweep's fitted fixed part
-    (Python, libraries, weights), which host RSS carries whatever the batch. None on a GPU or without a fit."""
-    peak = peak_mib(m)
-    if plan is None or m.device != "cpu" or peak is None or m.did_not_fit:
-        return None
-    return peak - plan["fit"]["fixed_mib"]
-
-
 # The first screen's questions: `answers` asks them, traced.gpu_answers keys the GPU column by them.
 SAVES, COSTS, SAME = "Does accumulation save memory?", "What does it cost?", "Is it the same training?"
 NORM_OR_LR = "The tutorial's loss change: the norm or the lr?"
@@ -624,11 +626,7 @@ NOT_PREDICTED = "Not predicted: the trace gives memory only; a GPU run measures 
 
 
 def finding_details(
-    f: Findings,
-    grad: dict[str, Any] | None,
-    plan: dict[str, Any] | None,
-    device: str,
-    speed: dict[str, Any] | None = None,
+    f: Findings, grad: dict[str, Any] | None, device: str, speed: dict[str, Any] | None = None
 ) -> list[dict[str, str]]:
     """The numbers behind the first screen: memory saved against the baseline and the norm control, the speed
     rounds, and whether the training is the same one. Every number from the records."""
@@ -641,11 +639,11 @@ def finding_details(
         if base:
             a, b = peak_mib(acc), peak_mib(base)
             saved.append(f"{a / b:.2f} x the baseline's {b:.0f} MiB at batch {base.batch}")
-            a2, b2 = batch_part(acc, plan), batch_part(base, plan)
-            if a2 is not None and b2 is not None and b2 > 0:
+            if f.growing:
+                a2, b2 = f.growing
                 saved.append(
-                    f"the part that grows with the batch (peak less the sweep's fixed "
-                    f"{plan['fit']['fixed_mib']:.0f} MiB): {a2:.0f} / {b2:.0f} MiB = {a2 / b2:.2f}"
+                    f"the part that grows with the batch (peak less the sweep's fixed {f.fixed_mib:.0f} MiB): "
+                    f"{a2:.0f} / {b2:.0f} MiB = {a2 / b2:.2f}"
                 )
         elif failed_base:
             saved.append(f"the baseline (batch {failed_base.batch}) {failed_base.why_not()}")
