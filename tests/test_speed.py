@@ -8,7 +8,7 @@ import torch
 
 from gradaccum import params
 from gradaccum.records import Cpu, Hardware
-from gradaccum.report.tables import speed_ratios
+from gradaccum.report.tables import SpeedRatio, speed_ratios
 from gradaccum.spec import resolve
 from gradaccum.speed import time_variants
 
@@ -32,7 +32,7 @@ def test_every_variant_is_timed_in_every_round(workdir: Path) -> None:
     assert twin["same_step_as"] == "baseline" and twin["images_per_s"] == result["variants"]["baseline"]["images_per_s"]
     ratios = speed_ratios(result, "groupnorm")
     assert set(ratios) == set(p.variants) - {"groupnorm_precision"}  # a variant not run has no ratio
-    assert all(r["rounds"] == 2 for r in ratios.values())
+    assert all(r.rounds == 2 for r in ratios.values())
 
 
 def test_a_speed_ratio_pairs_each_round_with_the_references_same_round() -> None:
@@ -41,4 +41,4 @@ def test_a_speed_ratio_pairs_each_round_with_the_references_same_round() -> None
     speed = {"variants": {"groupnorm": {"images_per_s": [100.0, 200.0, 100.0]}, "accumulation": {}}}
     speed["variants"]["accumulation"]["images_per_s"] = [50.0, 300.0, 90.0]
     got = speed_ratios(speed, "groupnorm")["accumulation"]
-    assert got == {"median": 0.9, "min": 0.5, "max": 1.5, "rounds": 3, "faster": 1, "slower": 2}
+    assert got == SpeedRatio(median=0.9, min=0.5, max=1.5, rounds=3, faster=1, slower=2)

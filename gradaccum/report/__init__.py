@@ -97,8 +97,6 @@ def build(inputs: Inputs, found: tables.Findings) -> Report:
     rep.heading("What this run found")
     predicted = traced.gpu_answers(inputs.trace, p.roles) if inputs.trace else {}
     rep.table(tables.answers(found, inputs.grad, hw.device, predicted))
-    rep.heading("The numbers behind it")
-    rep.table(tables.finding_details(found, inputs.grad, hw.device, inputs.speed))
     rep.heading("The tutorial's claims against this run")
     within = f"A claim holds where what was measured or predicted is within {CLAIM_TOLERANCE:.0%} of it"
     rep.text(within + ' (its figures are "about" figures from one run).')

@@ -13,7 +13,7 @@ from gradaccum.params import Roles
 from gradaccum.planner import predict_mib
 from gradaccum.report import tables
 from gradaccum.report.document import Report
-from gradaccum.report.tables import Results, memory_label, peak_split
+from gradaccum.report.tables import Results, SpeedRatio, memory_label, peak_split
 
 sns.set_theme(style="whitegrid", context="notebook")  # every figure alike
 
@@ -192,7 +192,7 @@ def sweep(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any]]) -> Non
     )
 
 
-def levers(rep: Report, rows: list[dict[str, Any]], ratios: dict[str, dict[str, float]], reference: str) -> None:
+def levers(rep: Report, rows: list[dict[str, Any]], ratios: dict[str, SpeedRatio], reference: str) -> None:
     """Memory saved against speed lost per lever; the speed's range over the interleaved rounds as error bars."""
     rows = [r for r in rows if r["variant"] in ratios and "memory saved (MiB)" in r]  # the levers that ran
     if not rows:
@@ -201,11 +201,11 @@ def levers(rep: Report, rows: list[dict[str, Any]], ratios: dict[str, dict[str, 
     palette = sns.color_palette(n_colors=len(rows))
     for r, color in zip(rows, palette, strict=True):
         q = ratios[r["variant"]]
-        x, y = 1 - float(r[f"peak memory vs {reference}"]), 1 - q["median"]
+        x, y = 1 - float(r[f"peak memory vs {reference}"]), 1 - q.median
         ax.errorbar(
             x,
             y,
-            yerr=[[q["max"] - q["median"]], [q["median"] - q["min"]]],
+            yerr=[[q.max - q.median], [q.median - q.min]],
             fmt="o",
             ms=9,
             capsize=4,

@@ -56,6 +56,51 @@ def fmt(value: Any, digits: int = 4) -> str:
 
 
 @dataclass(frozen=True)
+class SpeedRatio:
+    """A variant's speed over the reference's, taken within each interleaved round."""
+
+    median: float
+    min: float
+    max: float
+    rounds: int
+    faster: int  # rounds in which it beat the reference
+    slower: int
+
+    @property
+    def agreed(self) -> str | None:
+        """ "faster" or "slower" when every round says so, else None."""
+        return next((side for side in ("slower", "faster") if getattr(self, side) == self.rounds), None)
+
+    @property
+    def p(self) -> float:
+        """A two-sided sign test of that agreement: it assumes nothing about the noise. With no difference, all
+        of three rounds agree one time in four (p = 0.25), all of five one time in sixteen (p = 0.06)."""
+        return min(1.0, 2 * 0.5**self.rounds)
+
+
+@dataclass(frozen=True)
+class Versus:
+    """Two variants' end point (the seeds' means), against what another seed gives: the wider of their ranges."""
+
+    a: float
+    b: float
+    width: float | None  # None with one seed: nothing to hold the difference against
+    seeds: int
+
+    @property
+    def change(self) -> float:
+        """a relative to b."""
+        return self.a / self.b - 1
+
+    @property
+    def beyond_seeds(self) -> bool | None:
+        return None if self.width is None else abs(self.a - self.b) > self.width
+
+
+SAME_LOSS, BARELY = 0.01, 0.10  # relative loss changes called "nothing" (the same training) and "barely"
+
+
+@dataclass(frozen=True)
 class Findings:
     """The report's numbers, worked out once from the records: the variant in each role (params.yaml `roles`),
     where it trained to the end, and the ratios between them. The wording reads this; tests assert on it."""
@@ -63,7 +108,7 @@ class Findings:
     roles: Roles
     results: Results
     done: dict[str, VariantRecord]  # the variants that trained to the end
-    speed: dict[str, dict[str, float]]  # each variant's interleaved speed over the norm control's
+    speed: dict[str, SpeedRatio]  # each variant's interleaved speed over the norm control's
     loss: dict[str, float]  # each finished variant's final train loss, the seeds' mean
     fixed_mib: float | None  # on the CPU, the sweep's fitted fixed part of every peak (Python, libraries, weights)
 
@@ -78,6 +123,13 @@ class Findings:
     def mean_loss(self, key: str) -> float:
         """The final train loss of the variant playing `key`, the seeds' mean."""
         return self.loss[self.name(key)]
+
+    def versus(self, a: str, b: str, key: str = "final_train_loss") -> Versus:
+        """Role `a`'s end point (final_train_loss or test_accuracy) against role `b`'s; both trained."""
+        va, vb = (seed_values(self.role(r), key) for r in (a, b))
+        seeds = min(len(va), len(vb))
+        width = max(max(va) - min(va), max(vb) - min(vb)) if seeds > 1 else None
+        return Versus(statistics.fmean(va), statistics.fmean(vb), width, seeds)
 
     def ratio(self, a: str, b: str) -> float | None:
         """Peak memory of role `a` over role `b`'s, where both trained."""
@@ -121,6 +173,19 @@ def findings(
     )
 
 
+def speed_ratios(speed: dict[str, Any], reference: str) -> dict[str, SpeedRatio]:
+    """Each variant's speed over the reference's within each interleaved round: the median ratio and its range."""
+    ref = speed["variants"].get(reference, {}).get("images_per_s")
+    out = {}
+    for name, row in speed["variants"].items():
+        mine = row.get("images_per_s")
+        if ref and mine and len(mine) == len(ref):
+            per_round = [m / r for m, r in zip(mine, ref, strict=True)]
+            n, faster, slower = len(per_round), sum(x > 1 for x in per_round), sum(x < 1 for x in per_round)
+            out[name] = SpeedRatio(statistics.median(per_round), min(per_round), max(per_round), n, faster, slower)
+    return out
+
+
 def fitted(results: Results) -> dict[str, VariantRecord]:
     """The records of the variants that ran to the end."""
     return {name: r.record for name, r in results.items() if r.record.fit}
@@ -145,14 +210,26 @@ def seed_text(m: VariantRecord, key: str) -> str:
     return f"{statistics.fmean(values):.4f} ({min(values):.4f} to {max(values):.4f})"
 
 
-def against_seeds(a: VariantRecord, b: VariantRecord, key: str = "final_train_loss") -> str:
-    """Is the difference of two variants' means larger than what another seed gives (the wider of their ranges)?"""
-    va, vb = seed_values(a, key), seed_values(b, key)
-    if min(len(va), len(vb)) < 2:
-        return "one seed: not compared with a seed spread"
-    diff, width = abs(statistics.fmean(va) - statistics.fmean(vb)), max(max(va) - min(va), max(vb) - min(vb))
-    word = "larger than" if diff > width else "within"
-    return f"{word} the seed spread ({diff:.4f} against a range of {width:.4f} over {min(len(va), len(vb))} seeds)"
+def spread(v: Versus, short: bool = False) -> str:
+    """Whether a difference is larger than what another seed gives, with its figures unless `short`."""
+    if v.width is None:
+        return "one seed" if short else "one seed: not compared with a seed spread"
+    word = "larger than the seed spread" if v.beyond_seeds else "within the seed spread"
+    return word if short else f"{word} ({abs(v.a - v.b):.4f} against a range of {v.width:.4f} over {v.seeds} seeds)"
+
+
+def relative(change: float) -> str:
+    """A relative change: in percent, or in powers of ten where it is too small for a percent to show."""
+    return f"{change:+.1%}" if abs(change) >= 1e-3 else f"{change:+.1e}"
+
+
+ENDPOINTS = {"final_train_loss": "final train loss", "test_accuracy": "test accuracy"}
+
+
+def endpoints(f: Findings, a: str, b: str) -> str:
+    """Role `a`'s final train loss and test accuracy against role `b`'s, each the seeds' mean and range."""
+    ma, mb = f.role(a), f.role(b)
+    return "; ".join(f"{label} {seed_text(ma, key)} vs {seed_text(mb, key)}" for key, label in ENDPOINTS.items())
 
 
 def code_label(m: VariantRecord) -> str:
@@ -269,117 +346,66 @@ def ratio_claims(f: Findings) -> list[dict[str, str]]:
     if acc.accum != CLAIMS["accum"]:  # a share of the micro-batch: another accum, another share
         text += f"; this run at accum {acc.accum}, the tutorial's {CLAIMS['accum']}"
     a, b = peak_mib(acc), peak_mib(base)
-    acc_loss, base_loss = f.mean_loss("treatment"), f.mean_loss("baseline")
-    change = acc_loss / base_loss - 1
-    loss_verdict = (
-        "holds (within 10%)"
-        if abs(change) <= 0.10
-        else f"the loss is {'higher' if change > 0 else 'lower'} by {abs(change):.0%}"
-    )
     if f.growing:
         a2, b2 = f.growing
-        memory = claim(
-            text,
+        measured = (
             f"{a2 / b2:.2f} of the part that grows with the batch ({a2:.0f} / {b2:.0f} MiB: peak less the sweep's "
-            f"fixed {f.fixed_mib:.0f} MiB); whole process {a / b:.2f} ({a:.0f} / {b:.0f} MiB)",
-            a2 / b2 / claimed,
+            f"fixed {f.fixed_mib:.0f} MiB); whole process {a / b:.2f} ({a:.0f} / {b:.0f} MiB)"
         )
+        memory = claim(text, measured, a2 / b2 / claimed)
     else:
         memory = claim(text, f"{a / b:.2f} ({a:.0f} / {b:.0f} MiB)", a / b / claimed)
-    return [
-        memory,
-        claim(
-            "the loss is barely affected",
-            f"final train loss {seed_text(acc, 'final_train_loss')} vs {seed_text(base, 'final_train_loss')}; "
-            f"test accuracy {seed_text(acc, 'test_accuracy')} vs {seed_text(base, 'test_accuracy')}",
-            acc_loss / base_loss,
-            f"{loss_verdict}, {against_seeds(acc, base)}; but norm and lr changed too: the two control rows below "
-            "separate them",
-        ),
-    ]
+    loss = f.versus("treatment", "baseline")
+    judged = (
+        "holds (within 10%)"
+        if abs(loss.change) <= BARELY
+        else f"the loss is {'higher' if loss.change > 0 else 'lower'} by {abs(loss.change):.0%}"
+    )
+    judged += f", {spread(loss)}; but norm and lr changed too: the control rows below separate them"
+    measured = endpoints(f, "treatment", "baseline")
+    return [memory, claim("the loss is barely affected", measured, loss.a / loss.b, judged)]
+
+
+# The controls that separate what the tutorial changed at once, (claim, role, against role): accumulation alone,
+# the lr alone and the norm alone (through the lr control: BatchNorm at 3e-4), both together, its code as written.
+CONTROLS = (
+    ("accumulation alone changes nothing: same norm, same lr, accum 1", "treatment", "norm_control"),
+    ("the lr alone: BatchNorm at 3e-4 against 1e-3, both accum 1", "lr_control", "baseline"),
+    ("the norm alone: GroupNorm(1) against BatchNorm, both at 3e-4 and accum 1", "norm_control", "lr_control"),
+    (
+        "the norm swap with its lr: GroupNorm(1) at 3e-4 against BatchNorm at 1e-3, both accum 1",
+        "norm_control",
+        "baseline",
+    ),
+    (
+        "the tutorial's accumulation code as written (loss / accum, no step at epoch end, plain GroupNorm swap) "
+        "against the corrected code",
+        "tutorial_code",
+        "treatment",
+    ),
+)
 
 
 def control_claims(f: Findings) -> list[dict[str, str]]:
-    """The controls that separate what the tutorial changed at once: accumulation alone, the norm alone, its code."""
+    """Each control against its pair: the loss change, against the seed spread; the peaks and the steps."""
     rows = []
-    keys = {"acc": "treatment", "gn": "norm_control", "base": "baseline", "tut": "tutorial_code"}
-    acc, gn, base, tut = (f.role(r) for r in keys.values())
-    loss = {short: f.mean_loss(key) for short, key in keys.items() if f.role(key)}
-    if gn and acc:
-        diff = abs(loss["acc"] - loss["gn"]) / loss["gn"]
-        rows.append(
-            claim(
-                "(this study) accumulation alone changes nothing: same norm, same lr, accum 1",
-                f"final train loss {seed_text(acc, 'final_train_loss')} vs {seed_text(gn, 'final_train_loss')} "
-                f"({diff:.1e} relative)",
-                None,
-                "holds" if diff <= 0.01 else f"differs by {diff:.1%}, {against_seeds(acc, gn)}",
-            )
+    for text, a, b in CONTROLS:
+        ma, mb = f.role(a), f.role(b)
+        if not (ma and mb):
+            continue
+        loss = f.versus(a, b)
+        measured = (
+            f"{endpoints(f, a, b)}; peak {peak_mib(ma):.0f} vs {peak_mib(mb):.0f} MiB; "
+            f"{ma.optimizer_steps} vs {mb.optimizer_steps} optimizer steps at accum {ma.accum} vs {mb.accum}"
         )
-    rows += norm_or_lr(f)
-    if gn and base:
-        change = loss["gn"] / loss["base"] - 1
-        rows.append(
-            claim(
-                "(this study) the norm swap with its lr: GroupNorm(1) at 3e-4 against BatchNorm at 1e-3, both accum 1",
-                f"final train loss {seed_text(gn, 'final_train_loss')} vs {seed_text(base, 'final_train_loss')}; "
-                f"test accuracy {seed_text(gn, 'test_accuracy')} vs {seed_text(base, 'test_accuracy')}; peak "
-                f"{peak_mib(gn):.0f} vs {peak_mib(base):.0f} MiB",
-                None,
-                (
-                    "no change (within 10%)"
-                    if abs(change) <= 0.10
-                    else f"the norm and lr together change the loss by "
-                    f"{abs(change):.0%}; memory stays {peak_mib(gn) / peak_mib(base):.2f}x"
-                )
-                + f"; {against_seeds(gn, base)}",
-            )
+        acc = f.versus(a, b, "test_accuracy")
+        judged = (
+            f"the loss changes by {loss.a - loss.b:+.4f} ({relative(loss.change)}), {spread(loss)}; test accuracy "
+            f"by {acc.a - acc.b:+.4f}, {spread(acc, short=True)}"
         )
-    if tut and acc:
-        change = loss["tut"] / loss["acc"] - 1
-        rows.append(
-            claim(
-                "(this study) the tutorial's accumulation code as written (loss / accum, no step at epoch end, "
-                "plain GroupNorm swap) against the corrected code",
-                f"accum {tut.accum}: final train loss {seed_text(tut, 'final_train_loss')} vs "
-                f"{seed_text(acc, 'final_train_loss')}; test accuracy {seed_text(tut, 'test_accuracy')} vs "
-                f"{seed_text(acc, 'test_accuracy')}; {tut.optimizer_steps} vs {acc.optimizer_steps} optimizer steps",
-                None,
-                f"the corrections change the final loss by {abs(change):.1%}, {against_seeds(tut, acc)}; test "
-                f"accuracy: {against_seeds(tut, acc, 'test_accuracy')}",
-            )
-        )
-    return rows
-
-
-def norm_or_lr(f: Findings) -> list[dict[str, str]]:
-    """The tutorial changed the norm and the lr at once (BatchNorm at 1e-3 to GroupNorm at 3e-4): the lr control
-    (BatchNorm at 3e-4) splits the change into the lr's part and the norm's, each against the seed spread."""
-    base, bn_lr, gn = (f.role(r) for r in ("baseline", "lr_control", "norm_control"))
-    if not (base and bn_lr and gn):
-        return []
-    rows = []
-    for text, (a, la), (b, lb) in (
-        (
-            "(this study) the lr alone: BatchNorm at 3e-4 against 1e-3, both accum 1",
-            (bn_lr, f.mean_loss("lr_control")),
-            (base, f.mean_loss("baseline")),
-        ),
-        (
-            "(this study) the norm alone: GroupNorm(1) against BatchNorm, both at 3e-4 and accum 1",
-            (gn, f.mean_loss("norm_control")),
-            (bn_lr, f.mean_loss("lr_control")),
-        ),
-    ):
-        rows.append(
-            claim(
-                text,
-                f"final train loss {seed_text(a, 'final_train_loss')} vs {seed_text(b, 'final_train_loss')}; "
-                f"test accuracy {seed_text(a, 'test_accuracy')} vs {seed_text(b, 'test_accuracy')}",
-                None,
-                f"changes the loss by {la - lb:+.4f} ({la / lb - 1:+.0%}), {against_seeds(a, b)}",
-            )
-        )
+        if a == "treatment" and abs(loss.change) <= SAME_LOSS:
+            judged = f"holds: {judged}"
+        rows.append(claim(f"(this study) {text}", measured, None, judged))
     return rows
 
 
@@ -388,17 +414,14 @@ def norm_or_lr_answer(f: Findings) -> str | None:
     if f.loss_split is None:
         return None
     total, lr_part, norm_part = f.loss_split
-    base, bn_lr, gn = (f.role(r) for r in ("baseline", "lr_control", "norm_control"))
-
-    def spread(a: VariantRecord, b: VariantRecord) -> str:
-        return against_seeds(a, b).split(" (")[0].replace("one seed: not compared with a seed spread", "one seed")
+    lr_seeds, norm_seeds = (spread(f.versus(a, b), short=True) for _, a, b in CONTROLS[1:3])
 
     def share(part: float) -> str:
         return f" ({part / total + 0.0:.0%})" if total else ""  # + 0.0: no "-0%"
 
     return (
         f"Of the fix's {total:+.4f} in final loss, the lr alone: {lr_part:+.4f}{share(lr_part)}, "
-        f"{spread(bn_lr, base)}; then the norm (at 3e-4): {norm_part:+.4f}{share(norm_part)}, {spread(gn, bn_lr)}."
+        f"{lr_seeds}; then the norm (at 3e-4): {norm_part:+.4f}{share(norm_part)}, {norm_seeds}."
     )
 
 
@@ -409,14 +432,10 @@ def gradcheck_scope(grad: dict[str, Any]) -> str:
 
 def batchnorm_claim(f: Findings, grad: dict[str, Any]) -> dict[str, str]:
     """BatchNorm must go: the gradient check says whether accumulation with it is the large-batch gradient."""
-    acc_bn, base = f.role("accum_control"), f.role("baseline")
     also = ""
-    if acc_bn and base:
-        also = (
-            f"; {f.roles.accum_control} ended at loss {seed_text(acc_bn, 'final_train_loss')} (test accuracy "
-            f"{seed_text(acc_bn, 'test_accuracy')}) against the baseline's {seed_text(base, 'final_train_loss')}, "
-            f"{against_seeds(acc_bn, base)}"
-        )
+    if f.role("accum_control") and f.role("baseline"):
+        also = f"; {f.roles.accum_control} against the baseline: {endpoints(f, 'accum_control', 'baseline')}, "
+        also += spread(f.versus("accum_control", "baseline"))
     return claim(
         "BatchNorm must go for accumulation (swapped for GroupNorm)",
         f"accumulated gradient vs full batch: BatchNorm differs by at least {grad['batchnorm_min']:.2f}, "
@@ -494,43 +513,17 @@ def summary_metrics(f: Findings, speed: dict[str, Any] | None = None) -> dict[st
     return out
 
 
-def speed_ratios(speed: dict[str, Any], reference: str) -> dict[str, dict[str, float]]:
-    """Each variant's speed over the reference's within each interleaved round: the median ratio and its range."""
-    ref = speed["variants"].get(reference, {}).get("images_per_s")
-    out = {}
-    for name, row in speed["variants"].items():
-        mine = row.get("images_per_s")
-        if not ref or not mine or len(mine) != len(ref):
-            continue
-        per_round = [m / r for m, r in zip(mine, ref, strict=True)]
-        out[name] = {
-            "median": statistics.median(per_round),
-            "min": min(per_round),
-            "max": max(per_round),
-            "rounds": len(per_round),
-            "faster": sum(x > 1 for x in per_round),  # rounds in which it beat the reference
-            "slower": sum(x < 1 for x in per_round),
-        }
-    return out
-
-
-def ratio_text(r: dict[str, float] | None) -> str:
+def ratio_text(r: SpeedRatio | None) -> str:
     """An interleaved speed ratio: the median over rounds, then its range."""
-    return f"{r['median']:.2f} ({r['min']:.2f} to {r['max']:.2f})" if r else "-"
+    return f"{r.median:.2f} ({r.min:.2f} to {r.max:.2f})" if r else "-"
 
 
-def speed_verdict(r: dict[str, float]) -> str:
-    """Whether the rounds agree on the direction: a two-sided sign test, which assumes nothing about the noise.
-
-    With no difference, all of three rounds agree one time in four (p = 0.25), all of five one time in
-    sixteen (p = 0.06): the verdict names the test so a reader can weigh it.
-    """
-    n = int(r["rounds"])
-    for side in ("slower", "faster"):
-        if r[side] == n:
-            p = min(1.0, 2 * 0.5**n)
-            return f"{side} in all {n} rounds (sign test p = {p:.2g}{'' if p <= 0.1 else ': could be chance'})"
-    return f"not resolved: faster in {int(r['faster'])} of {n} rounds, slower in {int(r['slower'])}"
+def speed_verdict(r: SpeedRatio) -> str:
+    """Faster or slower only where every round agrees, with the sign test's p so a reader can weigh it."""
+    if r.agreed:
+        chance = "" if r.p <= 0.1 else ": could be chance"
+        return f"{r.agreed} in all {r.rounds} rounds (sign test p = {r.p:.2g}{chance})"
+    return f"not resolved: faster in {r.faster} of {r.rounds} rounds, slower in {r.slower}"
 
 
 def lever_table(f: Findings) -> list[dict[str, Any]]:
@@ -585,7 +578,7 @@ PREDICTED_GPU = "predicted for a GPU (study scale, traced)"
 
 def answers(f: Findings, grad: dict[str, Any] | None, device: str, predicted: dict[str, str]) -> list[dict[str, str]]:
     """The report's first screen: each question answered in a sentence, what this run measured beside what
-    the trace predicts for a GPU (`predicted`, by question); the numbers behind each follow (finding_details)."""
+    the trace predicts for a GPU (`predicted`, by question); the sections below hold the numbers behind each."""
     base, acc, gn = f.role("baseline"), f.role("treatment"), f.role("norm_control")
     here = MEASURED_HERE["cuda" if device == "cuda" else "cpu"]
     rows = []
@@ -623,66 +616,6 @@ def answers(f: Findings, grad: dict[str, Any] | None, device: str, predicted: di
 
 # The first screen's GPU cell where the trace has nothing to say: it predicts memory, not losses or gradients.
 NOT_PREDICTED = "Not predicted: the trace gives memory only; a GPU run measures this (scripts/gpu_check.sh)."
-
-
-def finding_details(
-    f: Findings, grad: dict[str, Any] | None, device: str, speed: dict[str, Any] | None = None
-) -> list[dict[str, str]]:
-    """The numbers behind the first screen: memory saved against the baseline and the norm control, the speed
-    rounds, and whether the training is the same one. Every number from the records."""
-    base, acc, gn = f.role("baseline"), f.role("treatment"), f.role("norm_control")
-    failed_base = f.results[f.roles.baseline].record if f.roles.baseline in f.results else None
-    what = "GPU memory (nvidia-smi)" if device == "cuda" else "host memory (RSS)"
-    rows = []
-    if acc:
-        saved = [f"{f.roles.treatment} ({acc.accum} x {acc.micro_batch}) peaked at {peak_mib(acc):.0f} MiB of {what}"]
-        if base:
-            a, b = peak_mib(acc), peak_mib(base)
-            saved.append(f"{a / b:.2f} x the baseline's {b:.0f} MiB at batch {base.batch}")
-            if f.growing:
-                a2, b2 = f.growing
-                saved.append(
-                    f"the part that grows with the batch (peak less the sweep's fixed {f.fixed_mib:.0f} MiB): "
-                    f"{a2:.0f} / {b2:.0f} MiB = {a2 / b2:.2f}"
-                )
-        elif failed_base:
-            saved.append(f"the baseline (batch {failed_base.batch}) {failed_base.why_not()}")
-        if gn:
-            saved.append(
-                f"{peak_mib(acc) / peak_mib(gn):.2f} x the {f.roles.norm_control} control's {peak_mib(gn):.0f} MiB "
-                "(same norm and lr, accum 1): the saving comes from the micro-batch, not from the norm"
-            )
-        rows.append({"question": "How much memory does accumulation save?", "answer": "; ".join(saved)})
-    if speed and acc:
-        r, base_r = f.speed.get(f.roles.treatment), f.speed.get(f.roles.baseline)
-        rows.append(
-            {
-                "question": "What does it cost in speed?",
-                "answer": f"{f.roles.treatment} ran at {ratio_text(r)} x the speed of its control, "
-                f"{f.roles.norm_control} (median and range over {speed['rounds']} interleaved rounds of "
-                f"{speed['steps']} optimizer step(s) each)"
-                + (f": {speed_verdict(r)}" if r else "")
-                + (f"; the baseline at {ratio_text(base_r)} x: {speed_verdict(base_r)}" if base_r else ""),
-            }
-        )
-    same = []
-    if grad:
-        same.append(
-            f"{gradcheck_scope(grad)}, the accumulated GroupNorm gradient differs from the full-batch "
-            f"gradient by at most {grad['groupnorm_max']:.1e} (relative), "
-            f"{'within' if grad['groupnorm_equal'] else 'OUTSIDE'} float32 rounding ({grad['tolerance']:.0e}); "
-            f"with BatchNorm by at least {grad['batchnorm_min']:.2f}"
-        )
-    if acc and gn:
-        a_loss, g_loss = f.mean_loss("treatment"), f.mean_loss("norm_control")
-        same.append(
-            f"final train loss {seed_text(acc, 'final_train_loss')} with accumulation against "
-            f"{seed_text(gn, 'final_train_loss')} for its control ({abs(a_loss - g_loss) / g_loss:.1e} relative); "
-            f"test accuracy {seed_text(acc, 'test_accuracy')} against {seed_text(gn, 'test_accuracy')}"
-        )
-    if same:
-        rows.append({"question": "Is it still the same training?", "answer": "; ".join(same)})
-    return rows
 
 
 def options_text(options: list[dict[str, Any]] | None) -> str:
@@ -831,8 +764,9 @@ def time_rows(
     timed = stage_times({n: r.record for n, r in results.items()}, plan, grad, speed, trace)
     if not timed:
         return []
-    whole, work = sum(t for t, _ in timed.values()), sum(w for _, w in timed.values())
-    rows = [
+    timed["all timed stages"] = (sum(t for t, _ in timed.values()), sum(w for _, w in timed.values()))
+    whole = timed["all timed stages"][0]
+    return [
         {
             "stage": name,
             "seconds": fmt(total, 1),
@@ -842,13 +776,3 @@ def time_rows(
         }
         for name, (total, done) in timed.items()
     ]
-    rows.append(
-        {
-            "stage": "all timed stages",
-            "seconds": fmt(whole, 1),
-            "share": "100%",
-            "computation (s)": fmt(work, 1),
-            "the rest: start-up, evaluation, sampling, writing (s)": fmt(whole - work, 1),
-        }
-    )
-    return rows
