@@ -37,7 +37,8 @@ from gradaccum.machine import cpu_name
 from gradaccum.memory import MemorySampler
 from gradaccum.models import build_model
 from gradaccum.outputs import write_json
-from gradaccum.spec import AMP_DTYPES, amp
+from gradaccum.records import Hardware
+from gradaccum.spec import AMP_DTYPES, amp, sweep_spec
 from gradaccum.sweep import run_point
 
 SIZES = {  # per device: images per timed run, micro-batch, effective batch, sweep sizes (fit / check)
@@ -218,11 +219,12 @@ def bench_sampler(p, device, s, arrays, repeats: int) -> dict[str, Any]:
 
 
 def bench_planner(p, device: torch.device, s) -> dict[str, Any]:
-    fit_points = [run_point(p, m, device.type) for m in s["fit"]]
+    spec = sweep_spec(p, Hardware.nominal("study" if device.type == "cuda" else "cpu"), checkpointing=False)
+    fit_points = [run_point(spec, m, p.memory) for m in s["fit"]]
     fit = planner.fit([r["micro_batch"] for r in fit_points], [r["peak_mib"] for r in fit_points])
     rows = []
     for micro in s["check"]:
-        measured = run_point(p, micro, device.type)["peak_mib"]
+        measured = run_point(spec, micro, p.memory)["peak_mib"]
         predicted = planner.predict_mib(fit, micro)
         rows.append(
             {

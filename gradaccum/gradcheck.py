@@ -14,7 +14,6 @@ accum 4: the last window one micro-batch of 24, weighed 1/4). Float32 throughout
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradaccum.accumulation import micro_batch_size, relative_difference, schedule, windows
+from gradaccum.experiment import variant_model
 from gradaccum.loop import make_scaler, normalize, train_epoch
+from gradaccum.spec import RunSpec
 
 BATCH = 96  # 7 does not divide it: micro-batches of 14, a window of 98
 SAMPLES = 120  # a full window and a short last one; which samples each holds depends on the shuffle
@@ -103,23 +104,21 @@ def divide_misweighs(n: int, micro: int, accum: int) -> bool:
 
 
 def gradient_check(
-    build: Callable[[str], torch.nn.Module],
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    seed: int = 0,
-    log: Any = print,
+    specs: dict[str, RunSpec], images: torch.Tensor, labels: torch.Tensor, log: Any = print
 ) -> dict[str, Any]:
     """Rows for every (norm, weighting, accum), the largest difference over the windows, and the verdicts;
-    `build(norm)` makes the same model each call; the first SAMPLES images, shuffled by `seed`."""
+    `specs[norm]`'s model, built afresh for each method from its seed, which also shuffles the first SAMPLES
+    images. Float32 whatever the specs' precision: rounding must not hide a difference."""
     device = images.device
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     n = SAMPLES
     images, labels = images[:n], labels[:n].long()
+    seed = specs["group"].seed
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(device)
     rows, fulls = [], {norm: {} for norm, _ in METHODS}  # a norm's full-batch gradients: its models are the same
     for norm, weighting in METHODS:
-        model = build(norm)
+        model = variant_model(specs[norm], seed, device)
         for accum in ACCUMS:
             micro = micro_batch_size(BATCH, accum)
             diff = max(window_differences(model, images, labels, perm, micro, accum, weighting, fulls[norm]))

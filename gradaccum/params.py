@@ -395,21 +395,6 @@ def resolve_scale(p: Params, cuda: bool) -> str:
     return scale
 
 
-STEP_IRRELEVANT = {"lr", "extra"}  # the learning rate scales the update, not the step's time or memory
-
-
-def step_twin(p: Params, variant: str) -> str | None:
-    """The earlier variant whose optimizer step is this one's in every setting but the learning rate, if any:
-    its speed and traced memory are this one's, so they are measured once (batchnorm_lr shares the baseline's)."""
-    mine = p.variants[variant].model_dump(exclude=STEP_IRRELEVANT)
-    for name, v in p.variants.items():
-        if name == variant:
-            return None
-        if v.model_dump(exclude=STEP_IRRELEVANT) == mine:
-            return name
-    return None
-
-
 def set_values(p: dict[str, Any], assignments: list[str]) -> Params:
     """`key.sub=value` assignments on plain values, read as YAML (like `dvc exp run -S`); unknown keys rejected."""
     return check(assign(p, assignments))

@@ -6,9 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 FORMAT = 1  # the records' format: raised when a field changes meaning, so a reader never guesses at an old one
+
+
+def invalid(err: ValidationError) -> str:
+    """Why a record was refused, in one line: the first field's path and what is wrong with it."""
+    first = err.errors()[0]
+    return f"{'.'.join(map(str, first['loc']))}: {first['msg'].lower()}"
 
 
 class Record(BaseModel):

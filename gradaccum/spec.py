@@ -2,8 +2,9 @@
 
 `resolve` makes a `RunSpec` from params.yaml, the machine (data/hardware.json, read as `Hardware`) and the
 sweep's plan (reports/sweep/planner.json, read as `Plan`), and raises every refusal that depends on them. The
-train stage, the speed stage, the trace and the card table take the spec; none of them works out accum, the
-micro-batch, the dtype or whether the variant runs again. To change one of those rules, change it here.
+train stage, the speed stage, the sweep's points, the trace and the card table take the spec; none of them works
+out accum, the micro-batch, the dtype or whether the variant runs again. To change one of those rules, change it
+here.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gradaccum import planner
 from gradaccum.accumulation import micro_batch_size
-from gradaccum.params import Model, Params, ParamsError, Train, check_accum, fail, step_twin
+from gradaccum.params import Model, Params, ParamsError, Train, Variant, check_accum, fail
 from gradaccum.records import DidNotFit, Hardware, Plan
 
 AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": None}  # float32: no autocast
@@ -126,6 +127,38 @@ def resolve(
     return spec.model_copy(
         update={"not_run": emulated(p, hw, precision), "over_budget": over_budget(p, hw, micro, plan, world)}
     )
+
+
+# Models the code declares rather than params.yaml, so that editing a variant re-runs neither stage: what the sweep
+# measures and the planner's lines describe (GroupNorm at accum 1 and the default precision, activation
+# checkpointing off and on), and the gradient check's two norms (run in float32 whatever the precision).
+SWEPT = Variant(norm="group", accum=1, lr=1e-4, extra="seed")
+CHECKED = {norm: Variant(norm=norm, accum=1, lr=1e-4, extra="seed") for norm in ("group", "batch")}
+
+
+def declared_spec(p: Params, hw: Hardware, name: str, v: Variant) -> RunSpec:
+    """The spec of a model the code declares (SWEPT, CHECKED), resolved as a variant of params.yaml would be."""
+    return resolve(p.model_copy(update={"variants": {name: v}}), name, hw)
+
+
+def sweep_spec(p: Params, hw: Hardware, checkpointing: bool) -> RunSpec:
+    """The sweep's spec on `hw`; each point runs it at a micro-batch of its own."""
+    return declared_spec(p, hw, "sweep", SWEPT.model_copy(update={"checkpointing": checkpointing}))
+
+
+STEP_IRRELEVANT = {"lr", "extra"}  # the learning rate scales the update, not the step's time or memory
+
+
+def step_twin(p: Params, variant: str) -> str | None:
+    """The earlier variant whose optimizer step is this one's in every setting but the learning rate, if any:
+    its speed and traced memory are this one's, so they are measured once (batchnorm_lr shares the baseline's)."""
+    mine = p.variants[variant].model_dump(exclude=STEP_IRRELEVANT)
+    for name, v in p.variants.items():
+        if name == variant:
+            return None
+        if v.model_dump(exclude=STEP_IRRELEVANT) == mine:
+            return name
+    return None
 
 
 def variant_accum(p: Params, variant: str, plan: Plan | None, scale: str, world: int) -> int:

@@ -5,8 +5,7 @@ high-water mark (CPU) and the CUDA context and caches (GPU) belong to that point
 in a train stage. Not forked from a process that has imported torch: that saves 3-4 s of imports a
 point, but a forked child's RSS leaves out the library pages its parent faulted in, and the fit's
 fixed part came out ~290 MiB low (529 against 817 MiB, measured), an under-estimate of every
-training peak. This module imports neither torch nor timm; the stage imports them once, to refuse a model
-that cannot take the images before the first point starts.
+training peak. Every point measures the same run spec (spec.sweep_spec) at a micro-batch of its own.
 """
 
 from __future__ import annotations
@@ -21,8 +20,10 @@ import psutil
 
 from gradaccum import params, planner
 from gradaccum.memory import MIB
+from gradaccum.params import Memory
 from gradaccum.records import FORMAT, Hardware
 from gradaccum.refusal import check_child
+from gradaccum.spec import RunSpec, sweep_spec
 
 POINT_COLUMNS = (
     "micro_batch",
@@ -43,41 +44,40 @@ class SweepError(RuntimeError):
     """A sweep point failed for a reason other than memory: the stage stops with it."""
 
 
-POINT_COMMAND = (sys.executable, "-m", "gradaccum.sweep_point")  # reads the params as JSON on stdin, prints the row
+POINT_COMMAND = (sys.executable, "-m", "gradaccum.sweep_point")  # reads the spec as JSON on stdin, prints the row
 
 
 def run_point(
-    p: params.Params,
+    spec: RunSpec,
     micro: int,
-    device: str,
-    checkpointing: bool = False,
+    memory: Memory,
     command: tuple[str, ...] = POINT_COMMAND,
     test_samples: int = 1000,
     last: int = 0,
 ) -> dict[str, Any]:
-    """measure_point in a fresh interpreter, whose last line of output is the row as JSON.
+    """measure_point of `spec` at `micro` in a fresh interpreter, whose last line of output is the row as JSON.
 
     A point that refuses its input raises refusal.Refused with its one line, no traceback.
     Out of memory is a row that did not fit: PyTorch's OutOfMemoryError inside the point (GPU), a failed
     allocation (CPU), or the kernel's out-of-memory killer ending it with SIGKILL (CPU). Any other failure,
     and a point still running after memory.sweep_timeout_s, raises SweepError with what the point printed last.
     """
-    args = [*command, "--point", str(micro), "--device", device, "--test-samples", str(test_samples)]
+    args = [*command, "--point", str(micro), "--steps", str(memory.sweep_steps), "--test-samples", str(test_samples)]
     args += ["--last", str(last)]
-    args += ["--checkpointing"] if checkpointing else []
+    checkpointing = spec.checkpointing
     what = f"sweep point micro-batch {micro}{' (checkpointing)' if checkpointing else ''}"
     try:
         proc = subprocess.run(
             args,
-            input=p.model_dump_json(),
+            input=spec.model_dump_json(),
             check=False,
             capture_output=True,
             text=True,
-            timeout=p.memory.sweep_timeout_s,
+            timeout=memory.sweep_timeout_s,
         )
     except subprocess.TimeoutExpired:
         raise SweepError(
-            f"{what} was still running after memory.sweep_timeout_s = {p.memory.sweep_timeout_s} s"
+            f"{what} was still running after memory.sweep_timeout_s = {memory.sweep_timeout_s} s"
         ) from None
     if proc.returncode == 0:
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -108,9 +108,10 @@ def sweep(p: params.Params, hw: Hardware, log: Any = print) -> dict[str, Any]:
     scale = p.scale_settings(hw.scale)
     rows = []
     for checkpointing in planner.LEVERS.values():  # the plain model, then with activation checkpointing
+        spec = sweep_spec(p, hw, checkpointing)
         for micro in scale.sweep_micro_batches:
             last = scale.train_samples % micro  # training's epoch ends with this short micro-batch
-            row = run_point(p, micro, hw.device, checkpointing, test_samples=scale.test_samples, last=last)
+            row = run_point(spec, micro, p.memory, test_samples=scale.test_samples, last=last)
             log(
                 f"sweep: micro-batch {micro}{' (checkpointing)' if checkpointing else ''}: "
                 + (f"peak {row['peak_mib']} MiB" if row["fit"] else f"did not fit ({row['error']})")

@@ -37,9 +37,9 @@ from gradaccum import allocator, autocast_policy
 from gradaccum.loop import make_optimizer, normalize
 from gradaccum.memory import MIB
 from gradaccum.models import IMAGE_SIZE, build_model
-from gradaccum.params import Model, Params, set_values, step_twin
+from gradaccum.params import Params, set_values
 from gradaccum.records import DEVICES, Hardware
-from gradaccum.spec import AMP_DTYPES, AutoUndecided, RunSpec, amp, resolve
+from gradaccum.spec import AutoUndecided, RunSpec, resolve, step_twin, sweep_spec
 from gradaccum.tutorial import CLAIMS
 
 KINDS = {  # MemTracker's names for what holds memory -> ours
@@ -195,24 +195,18 @@ def quiet_native_stderr() -> Iterator[None]:
             os.close(saved)
 
 
-def builder(
-    model: Model, seed: int, device_type: str, norm: str, swap: str = "keep_act", checkpointing: bool = False
-) -> Callable[[], nn.Module]:
-    """The model as `device_type` trains it: on the CPU with matrix-product depthwise convolutions."""
+def variant_builder(spec: RunSpec) -> Callable[[], nn.Module]:
+    """The spec's model as its device trains it: on the CPU with matrix-product depthwise convolutions."""
     return partial(
         build_model,
-        **model.model_dump(),
-        norm=norm,
-        seed=seed,
-        swap=swap,
-        checkpointing=checkpointing,
+        **spec.model.model_dump(),
+        norm=spec.norm,
+        seed=spec.seed,
+        swap=spec.swap,
+        checkpointing=spec.checkpointing,
         device="cpu",
-        matmul_depthwise=device_type == "cpu",
+        matmul_depthwise=spec.device == "cpu",
     )
-
-
-def variant_builder(spec: RunSpec) -> Callable[[], nn.Module]:
-    return builder(spec.model, spec.seed, spec.device, spec.norm, spec.swap, spec.checkpointing)
 
 
 def with_fast_norm(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -310,24 +304,13 @@ def figure(row: dict[str, float]) -> float:
     return row.get("gpu_nvidia_smi_mib", row["peak_mib"])
 
 
-def scale_line(p: Params, scale: str, build: Callable[[], nn.Module], dtype: torch.dtype | None) -> dict[str, Any]:
-    """`peak_line` at `scale`, between its smallest and largest sweep sizes, its data resident."""
-    s = p.scale_settings(scale)
-    micros = (s.sweep_micro_batches[0], s.sweep_micro_batches[-1])
-    resident = s.train_samples + s.test_samples
-    return peak_line(build, dtype, micros, p.model.num_classes, resident, DEVICES[scale])
-
-
 def variant_line(p: Params, spec: RunSpec) -> dict[str, Any]:
-    """`scale_line` of the variant's model and precision (gradaccum.cards)."""
-    return scale_line(p, spec.scale, variant_builder(spec), spec.dtype)
-
-
-def lever_line(p: Params, scale: str, checkpointing: bool) -> dict[str, Any]:
-    """`scale_line` of the GroupNorm model at the default precision: the planner's two levers, as the sweep's."""
-    device = DEVICES[scale]
-    build = builder(p.model, p.seed, device, "group", checkpointing=checkpointing)
-    return scale_line(p, scale, build, AMP_DTYPES[amp(device, p.train)])
+    """`peak_line` of the spec's model and precision at its scale, between the scale's smallest and largest sweep
+    sizes, its data resident (gradaccum.cards; with the sweep's spec, the planner's two levers)."""
+    s = p.scale_settings(spec.scale)
+    micros = (s.sweep_micro_batches[0], s.sweep_micro_batches[-1])
+    build, resident = variant_builder(spec), s.train_samples + s.test_samples
+    return peak_line(build, spec.dtype, micros, spec.model.num_classes, resident, spec.device)
 
 
 def tutorial_settings(p: Params) -> Params:
@@ -348,7 +331,7 @@ def _job(p: Params, job: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
         return job, trace_variant(p, args[0], "study", fast_norm=True)
     if kind == "tutorial":
         return job, trace_variant(tutorial_settings(p), args[0], "study")
-    return job, lever_line(p, "study", checkpointing=args[0] == "checkpointing")
+    return job, variant_line(p, sweep_spec(p, Hardware.nominal("study"), checkpointing=args[0] == "checkpointing"))
 
 
 def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -> dict[str, Any]:

@@ -10,21 +10,18 @@ from gradaccum import gradcheck, mnist, models, params
 from gradaccum.machine import process_seconds
 from gradaccum.outputs import write_json, write_table
 from gradaccum.refusal import BadInput, refuse
-from stages.paths import DATASET, GRADCHECK, GRADCHECK_TSV, HARDWARE, read
+from gradaccum.spec import CHECKED, declared_spec
+from stages.paths import DATASET, GRADCHECK, GRADCHECK_TSV, hardware
 
 
 def main() -> None:
     p = params.load()
     models.check_input(p.model)  # when run alone: a model that cannot take the images, in one line
-    device = torch.device(read(HARDWARE)["device"])
-    data = mnist.load_tensors(DATASET, device, gradcheck.SAMPLES, 0)
+    hw = hardware()
+    specs = {norm: declared_spec(p, hw, f"gradcheck_{norm}", v) for norm, v in CHECKED.items()}
+    data = mnist.load_tensors(DATASET, torch.device(hw.device), gradcheck.SAMPLES, 0)
     start = time.perf_counter()
-    result = gradcheck.gradient_check(
-        lambda norm: models.build_model(**p.model.model_dump(), norm=norm, seed=p.seed, device=device),
-        data["train_x"],
-        data["train_y"],
-        seed=p.seed,
-    )
+    result = gradcheck.gradient_check(specs, data["train_x"], data["train_y"])
     write_table(GRADCHECK_TSV, result["rows"], gradcheck.COLUMNS)
     seconds = {"compute_seconds": time.perf_counter() - start, "stage_seconds": process_seconds()}
     write_json(GRADCHECK, result | seconds)

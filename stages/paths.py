@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from gradaccum.outputs import MissingInput, read_input
-from gradaccum.records import Hardware, Plan
+from gradaccum.records import Hardware, Plan, invalid
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -74,9 +74,5 @@ def typed(path: Path, model: type[T]) -> T:
     try:
         return model.model_validate(read(path))
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise MissingInput(
-            f"{path}: {where}: {first['msg'].lower()}, not what this code reads: `dvc repro -f {MADE_BY[path]}` "
-            "makes it again"
-        ) from None
+        again = f"`dvc repro -f {MADE_BY[path]}` makes it again"
+        raise MissingInput(f"{path}: {invalid(err)}, not what this code reads: {again}") from None

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 from benchmarks.run import tutorial_loop, write_idx
+from gradaccum import params
 from gradaccum.loop import normalize
 
 
@@ -76,8 +77,9 @@ def test_the_planner_benchmark_holds_the_fit_against_points_it_did_not_see(monke
     from benchmarks import run
 
     peaks = {8: 516.0, 16: 532.0, 32: 540.0}
-    monkeypatch.setattr(run, "run_point", lambda p, micro, device: {"micro_batch": micro, "peak_mib": peaks[micro]})
-    result = run.bench_planner(None, torch.device("cpu"), {"fit": [8, 16], "check": [32]})
+    monkeypatch.setattr(run, "run_point", lambda spec, micro, memory: {"micro_batch": micro, "peak_mib": peaks[micro]})
+    p = params.load(Path(__file__).resolve().parent.parent / "params.yaml", model_names=False)
+    result = run.bench_planner(p, torch.device("cpu"), {"fit": [8, 16], "check": [32]})
     assert result["fit"]["fixed_mib"] == pytest.approx(500.0) and result["fit"]["per_sample_mib"] == pytest.approx(2.0)
     [check] = result["checks"]
     assert check["predicted_mib"] == pytest.approx(564.0) and check["measured_mib"] == 540.0

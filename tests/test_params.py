@@ -217,12 +217,12 @@ def test_variant_accum_follows_top_level_key() -> None:
 
 def test_a_variant_that_differs_only_in_its_lr_shares_its_step() -> None:
     p = params.check(DEFAULTS)
-    assert params.step_twin(p, "batchnorm_lr") == "baseline"  # BatchNorm, accum 1: the lr alone differs
-    assert params.step_twin(p, "baseline") is None  # the first of the two is measured
-    assert params.step_twin(p, "groupnorm") is None  # the norm differs
-    assert params.step_twin(p, "checkpointing") is None  # so does a lever, at the same lr as groupnorm
+    assert spec.step_twin(p, "batchnorm_lr") == "baseline"  # BatchNorm, accum 1: the lr alone differs
+    assert spec.step_twin(p, "baseline") is None  # the first of the two is measured
+    assert spec.step_twin(p, "groupnorm") is None  # the norm differs
+    assert spec.step_twin(p, "checkpointing") is None  # so does a lever, at the same lr as groupnorm
     moved = params.check(with_change("variants.batchnorm_lr.accum", 2))
-    assert params.step_twin(moved, "batchnorm_lr") is None
+    assert spec.step_twin(moved, "batchnorm_lr") is None
 
 
 def test_set_values_like_dvc_exp_run() -> None:

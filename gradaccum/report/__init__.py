@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from gradaccum import planner
 from gradaccum.outputs import MissingInput
 from gradaccum.params import Params
-from gradaccum.records import Hardware, VariantRecord
+from gradaccum.records import Hardware, VariantRecord, invalid
 from gradaccum.report import figures, tables, traced
 from gradaccum.report.document import Report
 from gradaccum.tutorial import CLAIM_TOLERANCE
@@ -60,10 +60,8 @@ def load_variants(names: list[str], folder: Path) -> tables.Results:
                 steps=pd.read_csv(d / "steps.tsv", sep="\t"),
             )
         except (OSError, ValueError) as err:  # a missing curve, a damaged record (pydantic's error is a ValueError)
-            first = str(err).splitlines()[0]
-            if isinstance(err, ValidationError):  # the field, not "1 validation error for VariantRecord"
-                error = err.errors()[0]
-                first = f"{'.'.join(map(str, error['loc']))}: {error['msg'].lower()}"
+            # the field, not "1 validation error for VariantRecord"
+            first = invalid(err) if isinstance(err, ValidationError) else str(err).splitlines()[0]
             raise MissingInput(
                 f"{d}/ cannot be read ({type(err).__name__}: {first}): `dvc repro -f train@{name}` makes it again"
             ) from None
