@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gradaccum.outputs import read_json, write_json
-from gradaccum.records import VariantRecord
+from gradaccum.records import Plan, VariantRecord
 from gradaccum.report.tables import stage_times
 
 GOAL_SECONDS, OVERHEAD_GOAL = 360, 0.15  # the speed issue's goals: six minutes, overhead under 15%
@@ -53,7 +53,7 @@ def breakdown(clone: Path, walls: dict[str, float], total: float) -> dict[str, A
     records = {p.parent.name: VariantRecord.read(p) for p in sorted(reports.glob("variants/*/metrics.json"))}
     timed = stage_times(
         records,
-        read_json(reports / "sweep/planner.json"),
+        Plan.model_validate_json((reports / "sweep/planner.json").read_text()),
         read_json(reports / "gradcheck.json"),
         read_json(reports / "speed.json"),
         read_json(reports / "trace.json"),

@@ -221,7 +221,7 @@ def bench_sampler(p, device, s, arrays, repeats: int) -> dict[str, Any]:
 def bench_planner(p, device: torch.device, s) -> dict[str, Any]:
     spec = sweep_spec(p, Hardware.nominal("study" if device.type == "cuda" else "cpu"), checkpointing=False)
     fit_points = [run_point(spec, m, p.memory) for m in s["fit"]]
-    fit = planner.fit([r["micro_batch"] for r in fit_points], [r["peak_mib"] for r in fit_points])
+    fit = planner.fit_line([r["micro_batch"] for r in fit_points], [r["peak_mib"] for r in fit_points])
     rows = []
     for micro in s["check"]:
         measured = run_point(spec, micro, p.memory)["peak_mib"]
@@ -234,7 +234,7 @@ def bench_planner(p, device: torch.device, s) -> dict[str, Any]:
                 "predicted_over_measured": predicted / measured,
             }
         )
-    return {"fit_on": s["fit"], "fit": fit, "checks": rows}
+    return {"fit_on": s["fit"], "fit": fit.model_dump(mode="json"), "checks": rows}
 
 
 def bench_ddp(repeats: int) -> dict[str, Any]:

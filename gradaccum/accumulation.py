@@ -68,15 +68,15 @@ def schedule(
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
-    plan = []
+    batches = []
     for window in windows(n, micro, accum * world):
         mine = window[rank::world] or [MicroBatch(window[0].start, window[0].start + 1, 0.0)]
         full = len(window) == accum * world
         for i, mb in enumerate(mine):
             weight = mb.weight * world if weighting == "exact" else (1 / accum if mb.weight else 0.0)
             step = i == len(mine) - 1 and (full or epoch_end_step)
-            plan.append(MicroBatch(mb.start, mb.stop, weight, step))
-    return plan
+            batches.append(MicroBatch(mb.start, mb.stop, weight, step))
+    return batches
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -21,6 +21,7 @@ import pandas as pd
 
 from gradaccum import allocator, models, params, planner, trace
 from gradaccum.models import IMAGE_SIZE
+from gradaccum.records import Line
 from gradaccum.refusal import BadInput
 
 
@@ -48,7 +49,7 @@ def answer(p: params.Params, variants: list[str], cards_gb: list[float], scale: 
             if need and need <= usable:
                 row[f"{card:g} GB"] = "fits"
                 continue
-            line = line or trace.variant_line(p, trace.traced_spec(p, variant, scale, accum=1))  # any accum: a line
+            line = line or Line.model_validate(trace.variant_line(p, trace.traced_spec(p, variant, scale, accum=1)))
             accum = fitting_accum(p, variant, scale, planner.smallest_accum(line, usable, batch), usable)
             row[f"{card:g} GB"] = f"accum {accum}" if accum else "no"
         rows.append(row)

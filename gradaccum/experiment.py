@@ -21,7 +21,7 @@ from gradaccum import distributed
 from gradaccum.loop import Curves, train
 from gradaccum.memory import MIB, FirstStepSnapshot, MemorySampler, is_out_of_memory, peak_rss_mib
 from gradaccum.models import build_model, count_parameters
-from gradaccum.records import FORMAT, CudnnRun, DidNotFit, MemoryPeaks, SeedRun, VariantRecord
+from gradaccum.records import FORMAT, CudnnRun, DidNotFit, MemoryPeaks, SeedRun, Settings, VariantRecord
 from gradaccum.spec import RunSpec
 from gradaccum.tutorial import CUDNN, kept_mistakes
 
@@ -93,7 +93,7 @@ def run_variant(
             ]
     record = VariantRecord(
         format=FORMAT,
-        **spec.model_dump(include=RECORDED),
+        **spec.model_dump(include=set(Settings.model_fields)),
         world_size=spec.world,
         cudnn=cudnn,
         train_samples=len(data["train_y"]),
@@ -113,26 +113,6 @@ def run_variant(
     )
     weights = distributed.unwrap(model).state_dict() if record.fit else {}
     return VariantRun(record, rows, sampler, weights, curves.steps, alone)
-
-
-RECORDED = {  # the spec's settings a variant's record repeats
-    "variant",
-    "norm",
-    "weighting",
-    "epoch_end_step",
-    "swap",
-    "checkpointing",
-    "precision",
-    "accum",
-    "accum_setting",
-    "micro_batch",
-    "sync_batchnorm",
-    "batch",
-    "lr",
-    "scale",
-    "device",
-    "amp",
-}
 
 
 def variant_model(spec: RunSpec, seed: int, device: torch.device) -> torch.nn.Module:

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 FORMAT = 1  # the records' format: raised when a field changes meaning, so a reader never guesses at an old one
+PLAN_FORMAT = 2  # the sweep's plan's own: raised with its fields, as FORMAT is with the others'
 
 
 def invalid(err: ValidationError) -> str:
@@ -64,10 +65,9 @@ class CudnnRun(Record):
     note: str = ""
 
 
-class VariantRecord(Record):
-    """reports/variants/<variant>/metrics.json."""
+class Settings(BaseModel):
+    """What a variant runs with, declared once: its run spec resolves these and its record repeats them."""
 
-    format: Literal[1]  # FORMAT
     variant: str
     norm: Literal["batch", "group"]
     weighting: Literal["exact", "divide"]
@@ -75,17 +75,23 @@ class VariantRecord(Record):
     swap: Literal["keep_act", "plain"]
     checkpointing: bool = False
     precision: Literal["default", "other"] = "default"
-    cudnn: CudnnRun
     accum: int
     accum_setting: int | str  # what params.yaml said: an integer, or "auto" resolved into accum
-    micro_batch: int
-    world_size: int = 1
+    micro_batch: int  # per process
     sync_batchnorm: bool = False
-    batch: int
+    batch: int  # samples per optimizer step, all processes together
     lr: float
     scale: Literal["study", "cpu"]
     device: Literal["cpu", "cuda"]
     amp: str
+
+
+class VariantRecord(Record, Settings):
+    """reports/variants/<variant>/metrics.json."""
+
+    format: Literal[1]  # FORMAT
+    cudnn: CudnnRun
+    world_size: int = 1
     train_samples: int
     test_samples: int
     dataset: str = ""  # the data's provenance kind: mirror, local or fallback
@@ -160,10 +166,13 @@ class Hardware(Facts):
 
 
 class Line(Facts):
-    """A peak memory line in the micro-batch (planner.predict_mib reads it)."""
+    """Peak memory against the micro-batch (planner.predict_mib reads it): the measured points joined, the line's
+    slope beyond them; a traced line has no points and is the line itself."""
 
     fixed_mib: float
     per_sample_mib: float
+    r2: float = 1.0
+    points: list[tuple[int, float]] = []
 
 
 class Budget(Facts):
@@ -173,17 +182,25 @@ class Budget(Facts):
 
 
 class Plan(Facts):
-    """reports/sweep/planner.json: the sweep's lines and `accum: auto`, with and without checkpointing."""
+    """reports/sweep/planner.json: the sweep's points, its lines and `accum: auto`, with and without checkpointing."""
 
-    format: Literal[1]  # FORMAT
-    fit: Line
-    fit_checkpointing: Line
+    format: Literal[2]  # PLAN_FORMAT
+    device: Literal["cpu", "cuda"]
+    scale: Literal["study", "cpu"]
+    batch: int
+    measure: str  # what a point's peak is: nvidia-smi's figure on a GPU, RSS on the CPU
+    line: Line
+    line_checkpointing: Line
+    points: list[dict[str, Any]]  # sweep.POINT_COLUMNS
+    this_machine: Budget
     auto_accum: int | None
     auto_accum_checkpointing: int | None
-    this_machine: Budget
+    stage_seconds: float | None = None
 
-    def line(self, checkpointing: bool) -> dict:
-        return (self.fit_checkpointing if checkpointing else self.fit).model_dump()
+    @property
+    def lines(self) -> dict[bool, Line]:
+        """Activation checkpointing off, on -> its line."""
+        return {False: self.line, True: self.line_checkpointing}
 
     def auto(self, checkpointing: bool) -> int | None:
         return self.auto_accum_checkpointing if checkpointing else self.auto_accum

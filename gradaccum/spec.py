@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from gradaccum import planner
 from gradaccum.accumulation import micro_batch_size
 from gradaccum.params import Model, Params, ParamsError, Train, Variant, check_accum, fail
-from gradaccum.records import DidNotFit, Hardware, Plan
+from gradaccum.records import DidNotFit, Hardware, Plan, Settings
 
 AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": None}  # float32: no autocast
 
@@ -26,32 +26,17 @@ class AutoUndecided(ParamsError):
     """accum: auto with no sweep to decide it (the trace says so rather than guess)."""
 
 
-class RunSpec(BaseModel):
+class RunSpec(Settings):
     """One variant at one scale on one machine, resolved: what its run, its speed rounds and its trace use."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    variant: str
-    scale: Literal["study", "cpu"]
-    device: Literal["cpu", "cuda"]
     model: Model
-    norm: Literal["batch", "group"]
-    swap: Literal["keep_act", "plain"]
-    weighting: Literal["exact", "divide"]
-    epoch_end_step: bool
-    checkpointing: bool
     cudnn: Literal["default", "tutorial"]
-    precision: Literal["default", "other"]
     amp: Literal["float16", "bfloat16", "float32"]
-    lr: float
     weight_decay: float
-    batch: int  # samples per optimizer step, all processes together
-    accum: int
-    accum_setting: int | str  # what params.yaml said: an integer, or "auto" resolved into accum
     world: int  # processes; a window is accum x world micro-batches
-    micro_batch: int  # per process
     eval_batch: int  # never above the micro-batch, so evaluation fits wherever training does
-    sync_batchnorm: bool
     epochs: int
     train_samples: int
     test_samples: int
@@ -189,7 +174,7 @@ def auto_accum(plan: Plan | None, checkpointing: bool) -> int:
         raise ParamsError(
             f"params.yaml: accum = 'auto' finds nothing that fits "
             f"({'checkpointing' if checkpointing else 'accumulation'}): the planner predicts "
-            f"{planner.predict_mib(plan.line(checkpointing), 1):.0f} MiB even at micro-batch 1, over the usable "
+            f"{planner.predict_mib(plan.lines[checkpointing], 1):.0f} MiB even at micro-batch 1, over the usable "
             f"{usable:.0f} MiB of {budget.what} (memory.safety_margin {budget.safety_margin}); set accum to an "
             "integer to try"
         )
@@ -215,7 +200,7 @@ def over_budget(p: Params, hw: Hardware, micro: int, plan: Plan | None, world: i
     """
     if hw.device != "cpu" or plan is None:
         return None
-    predicted = planner.predict_mib(plan.fit.model_dump(), micro) * world
+    predicted = planner.predict_mib(plan.line, micro) * world
     budget = p.memory.host_budget_gb * planner.GIB_MIB
     if predicted <= budget:
         return None

@@ -21,7 +21,7 @@ import psutil
 from gradaccum import params, planner
 from gradaccum.memory import MIB
 from gradaccum.params import Memory
-from gradaccum.records import FORMAT, Hardware
+from gradaccum.records import PLAN_FORMAT, Budget, Hardware, Plan
 from gradaccum.refusal import check_child
 from gradaccum.spec import RunSpec, sweep_spec
 
@@ -99,7 +99,7 @@ def device_memory_mib(hw: Hardware, p: params.Params) -> tuple[float, str]:
     return min(host, budget), "host memory (min of RAM and memory.host_budget_gb)"
 
 
-def sweep(p: params.Params, hw: Hardware, log: Any = print) -> dict[str, Any]:
+def sweep(p: params.Params, hw: Hardware, log: Any = print) -> Plan:
     """Every point of the ladder, plain then with checkpointing; the fits and `accum: auto` from them.
 
     What `train` needs and nothing the report alone reads: the card table is built from this by the report,
@@ -107,7 +107,7 @@ def sweep(p: params.Params, hw: Hardware, log: Any = print) -> dict[str, Any]:
     """
     scale = p.scale_settings(hw.scale)
     rows = []
-    for checkpointing in planner.LEVERS.values():  # the plain model, then with activation checkpointing
+    for checkpointing in (False, True):  # the plain model, then with activation checkpointing
         spec = sweep_spec(p, hw, checkpointing)
         for micro in scale.sweep_micro_batches:
             last = scale.train_samples % micro  # training's epoch ends with this short micro-batch
@@ -117,28 +117,22 @@ def sweep(p: params.Params, hw: Hardware, log: Any = print) -> dict[str, Any]:
                 + (f"peak {row['peak_mib']} MiB" if row["fit"] else f"did not fit ({row['error']})")
             )
             rows.append(row)
-    fits = {}
-    for lever, checkpointing in planner.LEVERS.items():
+    lines = {}
+    for checkpointing in (False, True):
         fitted = [r for r in rows if r["fit"] and r["checkpointing"] == checkpointing]
-        fits[lever] = planner.fit([r["micro_batch"] for r in fitted], [r["peak_mib"] for r in fitted])
+        lines[checkpointing] = planner.fit_line([r["micro_batch"] for r in fitted], [r["peak_mib"] for r in fitted])
     memory_mib, memory_what = device_memory_mib(hw, p)
     usable = memory_mib * (1 - p.memory.safety_margin)
-    return {
-        "format": FORMAT,
-        "device": hw.device,
-        "scale": hw.scale,
-        "batch": scale.batch,
-        "measure": "reserved + CUDA context (what nvidia-smi shows)"
-        if hw.device == "cuda"
-        else "peak RSS (host memory)",
-        "fit": fits["accumulation"],
-        "fit_checkpointing": fits["checkpointing"],
-        "points": rows,
-        "this_machine": {
-            "memory_mib": round(memory_mib),
-            "what": memory_what,
-            "safety_margin": p.memory.safety_margin,
-        },
-        "auto_accum": planner.smallest_accum(fits["accumulation"], usable, scale.batch),  # no checkpointing: faster
-        "auto_accum_checkpointing": planner.smallest_accum(fits["checkpointing"], usable, scale.batch),
-    }
+    return Plan(
+        format=PLAN_FORMAT,
+        device=hw.device,
+        scale=hw.scale,
+        batch=scale.batch,
+        measure="reserved + CUDA context (what nvidia-smi shows)" if hw.device == "cuda" else "peak RSS (host memory)",
+        line=lines[False],
+        line_checkpointing=lines[True],
+        points=rows,
+        this_machine=Budget(memory_mib=round(memory_mib), what=memory_what, safety_margin=p.memory.safety_margin),
+        auto_accum=planner.smallest_accum(lines[False], usable, scale.batch),  # no checkpointing: faster
+        auto_accum_checkpointing=planner.smallest_accum(lines[True], usable, scale.batch),
+    )

@@ -306,7 +306,7 @@ def figure(row: dict[str, float]) -> float:
 
 def variant_line(p: Params, spec: RunSpec) -> dict[str, Any]:
     """`peak_line` of the spec's model and precision at its scale, between the scale's smallest and largest sweep
-    sizes, its data resident (gradaccum.cards; with the sweep's spec, the planner's two levers)."""
+    sizes, its data resident (gradaccum.cards; with the sweep's spec, the planner's two lines)."""
     s = p.scale_settings(spec.scale)
     micros = (s.sweep_micro_batches[0], s.sweep_micro_batches[-1])
     build, resident = variant_builder(spec), s.train_samples + s.test_samples
@@ -336,10 +336,11 @@ def _job(p: Params, job: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
 
 def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every variant at both scales (the CPU scale with the real allocator's peak beside the trace), and the
-    GroupNorm model's line per lever at the study scale, for the GPU card table; in `workers` processes."""
+    sweep's model's lines (plain, with checkpointing) at the study scale, for the GPU card table; in `workers`
+    processes."""
     twins = {v: twin for v in p.variants if (twin := step_twin(p, v))}  # the same step but the lr: traced once
     jobs = [("variant", v, scale) for scale in DEVICES for v in p.variants if v not in twins]
-    jobs += [("line", lever) for lever in ("plain", "checkpointing")]
+    jobs += [("line", kind) for kind in ("plain", "checkpointing")]
     treatment = p.variants[p.roles.treatment]
     if (treatment.norm, treatment.swap) == ("group", "keep_act"):  # timm's fast norm against GroupNorm's float32
         jobs.append(("fast_norm", p.roles.treatment))
@@ -357,7 +358,7 @@ def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -
         log(f"trace: {row['variant']} at the {row['scale']} scale: {row.get('peak_mib', 0):.0f} MiB")
     return {
         "rows": rows,
-        "study_lines": {lever: done[("line", lever)] for lever in ("plain", "checkpointing")},
+        "study_lines": {kind: done[("line", kind)] for kind in ("plain", "checkpointing")},
         "fast_norm": [done[job] for job in jobs if job[0] == "fast_norm"],  # timm's fast norm, one variant
         "tutorial_settings": [done[job] for job in jobs if job[0] == "tutorial"],  # at 4 x 8192, whatever accum is
         "torch": torch.__version__,

@@ -14,12 +14,12 @@ from stages.paths import (
     GRADCHECK,
     PROVENANCE,
     SPEED,
-    SWEEP_PLAN,
     TRACE,
     VARIANTS,
     hardware,
     read,
     read_if_there,
+    sweep_plan,
     variant_dir,
 )
 
@@ -47,7 +47,7 @@ def main() -> None:
         hardware=hardware(),
         provenance=read(PROVENANCE),
         results=results,
-        plan=read_if_there(SWEEP_PLAN),
+        plan=sweep_plan(),
         grad=read_if_there(GRADCHECK),
         speed=read_if_there(SPEED),
         trace=read_if_there(TRACE),

@@ -22,12 +22,12 @@ def main() -> None:
     scale = p.scale_settings(hw.scale)  # as train refuses it, before the points run (a minute or more)
     mnist.check_batch(hw.scale, scale.batch, scale.train_samples, DATASET)
     plan = sweep(p, hw, log=lambda line: print(line, flush=True))
-    write_table(SWEEP_POINTS, plan["points"], POINT_COLUMNS)
-    write_json(SWEEP_PLAN, plan | {"stage_seconds": process_seconds()})
-    fit = plan["fit"]
+    write_table(SWEEP_POINTS, plan.points, POINT_COLUMNS)
+    write_json(SWEEP_PLAN, plan.model_copy(update={"stage_seconds": process_seconds()}).model_dump(mode="json"))
+    line = plan.line
     print(
-        f"sweep: peak = {fit['fixed_mib']:.0f} MiB + {fit['per_sample_mib']:.3f} MiB/sample (r2 {fit['r2']:.3f}); "
-        f"accum auto -> {plan['auto_accum']}"
+        f"sweep: peak = {line.fixed_mib:.0f} MiB + {line.per_sample_mib:.3f} MiB/sample (r2 {line.r2:.3f}); "
+        f"accum auto -> {plan.auto_accum}"
     )
 
 

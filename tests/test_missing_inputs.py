@@ -61,7 +61,8 @@ def inputs_in_place(workdir: Path) -> None:
     images, labels = np.zeros((100, 28, 28), np.uint8), np.arange(100, dtype=np.uint8) % 10
     mnist.save({"train_x": images, "train_y": labels, "test_x": images, "test_y": labels}, workdir / "data/dataset.npz")
     line, budget = {"fixed_mib": 100.0, "per_sample_mib": 1.0}, {"what": "RAM", "memory_mib": 9e9, "safety_margin": 0}
-    plan = {"format": 1, "fit": line, "fit_checkpointing": line, "auto_accum": 1, "auto_accum_checkpointing": 1}
+    plan = {"format": 2, "device": "cpu", "scale": "cpu", "batch": 32, "measure": "peak RSS", "points": []}
+    plan |= {"line": line, "line_checkpointing": line, "auto_accum": 1, "auto_accum_checkpointing": 1}
     write_json(workdir / "reports/sweep/planner.json", plan | {"this_machine": budget})
     for name in ("reports/trace.json", "reports/speed.json", "reports/gradcheck.json"):
         write_json(workdir / name, {})

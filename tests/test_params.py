@@ -43,9 +43,7 @@ def test_defaults_are_valid() -> None:
 CPU_BATCH = DEFAULTS["scales"]["cpu"]["batch"]
 
 
-@pytest.mark.parametrize(
-    ("value", "batch"), [(0, ""), (-3, ""), (CPU_BATCH + 1, f" (scales.cpu.batch = {CPU_BATCH})")]
-)
+@pytest.mark.parametrize(("value", "batch"), [(0, ""), (-3, ""), (CPU_BATCH + 1, f" (scales.cpu.batch = {CPU_BATCH})")])
 def test_accum_out_of_range_names_the_batch(value: int, batch: str) -> None:
     """Below 1 needs no batch to refuse; above the batch the message names the batch it is over."""
     assert error_for(with_change("accum", value)) == (
@@ -205,7 +203,8 @@ def test_variant_accum_follows_top_level_key() -> None:
     line = {"fixed_mib": 100.0, "per_sample_mib": 1.0}
     budget = {"what": "host memory", "memory_mib": 1000.0, "safety_margin": 0.1}
     autos = {"auto_accum": 3, "auto_accum_checkpointing": 2}
-    plan = Plan(format=1, fit=line, fit_checkpointing=line, this_machine=budget, **autos)
+    sweep = {"format": 2, "device": "cpu", "scale": "cpu", "batch": 256, "measure": "peak RSS", "points": []}
+    plan = Plan(**sweep, line=line, line_checkpointing=line, this_machine=budget, **autos)
     assert spec.variant_accum(auto, "accumulation", plan, "cpu", 1) == 3
     assert spec.variant_accum(auto, "accum_checkpointing", plan, "cpu", 1) == 2
     with pytest.raises(params.ParamsError, match="accum = 'auto' needs the memory planner"):

@@ -19,7 +19,7 @@ from gradaccum import params
 from gradaccum.loop import EPOCH_COLUMNS, STEP_COLUMNS
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import write_json, write_table
-from gradaccum.records import VariantRecord
+from gradaccum.records import Plan, VariantRecord
 from gradaccum.report import tables, traced
 from gradaccum.tutorial import CLAIM_TOLERANCE
 from stages import report
@@ -227,13 +227,14 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
     write_json(
         root / "reports/sweep/planner.json",
         {
+            "format": 2,
             "device": device,
             "scale": hw["scale"],
             "batch": batch,
             "measure": "fixture",
-            "fit": fit,
+            "line": fit,
             "points": points,
-            "fit_checkpointing": {"fixed_mib": 1200.0, "per_sample_mib": 0.6, "r2": 0.998},
+            "line_checkpointing": {"fixed_mib": 1200.0, "per_sample_mib": 0.6, "r2": 0.998},
             "this_machine": {"memory_mib": 24564, "what": "test", "safety_margin": 0.1},
             "auto_accum": 3,
             "auto_accum_checkpointing": 1,
@@ -409,7 +410,7 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
         first = {r["question"]: r for r in md_table(md, "What this run found")}
         gpu_cells = [r["predicted for a GPU (study scale, traced)"] for r in first.values()]
         assert all(c.strip() not in ("", "-") for c in gpu_cells)  # an empty cell says why it is empty
-        assert "What carries over to a GPU" in md and "(here 1200 MiB, the sweep's fit)" in md
+        assert "What carries over to a GPU" in md and "(here 1200 MiB, the sweep's line)" in md
         split = first["The tutorial's loss change: the norm or the lr?"]["measured on this machine (host RSS)"]
         assert split == (
             "Of the fix's -0.0100 in final loss, the lr alone: +0.0000 (0%), within the seed spread; then the norm "
@@ -550,7 +551,7 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
         )
     grad = md_table(md, "Is the accumulated gradient the large-batch gradient?")
     assert [float(r["relative difference"]) for r in grad] == [3e-7, 1.3]
-    # The card table is the report's, from the sweep's fits and memory.cards_gb; worked out by hand for 8 GB
+    # The card table is the report's, from the sweep's lines and memory.cards_gb; worked out by hand for 8 GB
     # (7373 MiB usable): plain 1200 + 1.6 x micro fits 3858, checkpointing 1200 + 0.6 x micro fits 10288.
     cards = md_table(md, "Which card fits: the memory planner")
     assert [float(c["card (GB)"]) for c in cards] == yaml.safe_load((workdir / "params.yaml").read_text())["memory"][
@@ -771,12 +772,13 @@ def test_the_findings_hold_the_numbers_and_the_first_screen_words_them(workdir: 
 
     metrics = fixture_run(workdir, "cpu")
     results = report.load_variants(list(metrics), workdir / "reports/variants")
-    speed, plan = (json.loads((workdir / f"reports/{name}.json").read_text()) for name in ("speed", "sweep/planner"))
+    speed = json.loads((workdir / "reports/speed.json").read_text())
+    plan = Plan.model_validate_json((workdir / "reports/sweep/planner.json").read_text())
     found = tables.findings(results, ROLES, speed, plan)
     rss = {n: m["memory"]["rss_peak_mib"] for n, m in metrics.items() if m["fit"]}
     assert found.memory_ratio == pytest.approx(rss["accumulation"] / rss["baseline"])
     assert found.ratio("treatment", "norm_control") == pytest.approx(rss["accumulation"] / rss["groupnorm"])
-    fixed = plan["fit"]["fixed_mib"]
+    fixed = plan.line.fixed_mib
     assert found.growing == pytest.approx((rss["accumulation"] - fixed, rss["baseline"] - fixed))
     loss = {n: sum(s["final_train_loss"] for s in m["seeds"]) / len(m["seeds"]) for n, m in metrics.items() if m["fit"]}
     total, lr_part, norm_part = found.loss_split

@@ -113,4 +113,4 @@ def test_the_sweep_asks_each_point_for_the_training_remainder(p: params.Params, 
     )
     plan = sweep.sweep(small, Hardware.nominal("cpu"), log=lambda _: None)
     assert calls[:2] == [(64, False, 1000, 1000 % 64), (256, False, 1000, 1000 % 256)] and len(calls) == 4
-    assert plan["fit"]["per_sample_mib"] == pytest.approx(1.0) and plan["fit"]["points"] == [[64, 864], [256, 1056]]
+    assert plan.line.per_sample_mib == pytest.approx(1.0) and plan.line.points == [(64, 864), (256, 1056)]

@@ -28,9 +28,9 @@ def planner_json(fixed_mib: float, per_sample_mib: float, auto: int | None = 1) 
     """reports/sweep/planner.json with the one line every lever shares."""
     fit = {"fixed_mib": fixed_mib, "per_sample_mib": per_sample_mib}
     machine = {"memory_mib": 1000, "what": "host memory", "safety_margin": 0.1}
-    return {"format": 1, "fit": fit, "fit_checkpointing": fit, "this_machine": machine} | dict.fromkeys(
-        ("auto_accum", "auto_accum_checkpointing"), auto
-    )
+    plan = {"format": 2, "device": "cpu", "scale": "cpu", "batch": 32, "measure": "peak RSS", "points": []}
+    plan |= {"line": fit, "line_checkpointing": fit, "this_machine": machine}
+    return plan | dict.fromkeys(("auto_accum", "auto_accum_checkpointing"), auto)
 
 
 def tiny_model(seed: int = 0) -> nn.Module:

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from gradaccum import planner
 from gradaccum.outputs import MissingInput
 from gradaccum.params import Params
-from gradaccum.records import Hardware, VariantRecord, invalid
+from gradaccum.records import Hardware, Plan, VariantRecord, invalid
 from gradaccum.report import figures, tables, traced
 from gradaccum.report.document import Report
 from gradaccum.tutorial import CLAIM_TOLERANCE
@@ -37,7 +37,7 @@ class Inputs:
     hardware: Hardware
     provenance: dict[str, Any]
     results: tables.Results
-    plan: dict[str, Any] | None = None  # the sweep's result
+    plan: Plan | None = None  # the sweep's result
     grad: dict[str, Any] | None = None  # the gradient check's
     speed: dict[str, Any] | None = None  # the speed stage's interleaved rounds
     trace: dict[str, Any] | None = None  # the trace stage's peaks, both scales
@@ -70,9 +70,9 @@ def load_variants(names: list[str], folder: Path) -> tables.Results:
     return results
 
 
-def carries_over(plan: dict[str, Any] | None) -> str:
+def carries_over(plan: Plan | None) -> str:
     """What a CPU run says about a GPU, and what it does not: the banner over a CPU-scale report."""
-    fixed = f" (here {plan['fit']['fixed_mib']:.0f} MiB, the sweep's fit)" if plan and plan.get("fit") else ""
+    fixed = f" (here {plan.line.fixed_mib:.0f} MiB, the sweep's line)" if plan else ""
     return (
         "What carries over to a GPU: whether accumulation gives the same gradient and loss (the same arithmetic), "
         "and which way each memory lever moves the peak. What does not: the sizes of the memory ratios, since "
@@ -298,28 +298,28 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
 
 def planner_section(
     rep: Report,
-    plan: dict[str, Any],
+    plan: Plan,
     cards: list[dict[str, Any]],
     results: tables.Results,
     trace: dict[str, Any] | None = None,
 ) -> None:
-    machine, fit = plan["this_machine"], plan["fit"]
+    machine, line = plan.this_machine, plan.line
     fastest = tables.options_text(planner.this_machine_options(plan)[:1])
     rep.heading("Which card fits: the memory planner")
     rep.text(
-        f"The planner predicts from the sweep's peaks ({plan['measure']}): between two measured micro-batches it "
+        f"The planner predicts from the sweep's peaks ({plan.measure}): between two measured micro-batches it "
         "joins their peaks, beyond them it follows the line fitted to all of them, peak = "
-        f"{fit['fixed_mib']:.0f} MiB + {fit['per_sample_mib']:.4f} MiB per sample (r2 {fit['r2']:.4f}); a line "
+        f"{line.fixed_mib:.0f} MiB + {line.per_sample_mib:.4f} MiB per sample (r2 {line.r2:.4f}); a line "
         "alone lies under part of a bent curve, the direction that ends in out of memory. For effective batch "
-        f"{plan['batch']}, leaving "
-        f"{machine['safety_margin']:.0%} free. On this machine ({machine['memory_mib']} MiB, {machine['what']}), "
-        f"accum: auto is {plan['auto_accum']} (with checkpointing: {plan['auto_accum_checkpointing']}); the "
+        f"{plan.batch}, leaving "
+        f"{machine.safety_margin:.0%} free. On this machine ({machine.memory_mib:.0f} MiB, {machine.what}), "
+        f"accum: auto is {plan.auto_accum} (with checkpointing: {plan.auto_accum_checkpointing}); the "
         f"fastest option that fits here: {fastest}. The speeds are the sweep's own (a few steps, warm-up included, "
         "one run: a stall of the machine can reorder them), so at the same accum the plain option is put first: "
         "checkpointing does its work and recomputes the forward on top."
         + (
             " These are host-memory figures from the CPU scale; a GPU run gives the GPU table."
-            if plan["device"] == "cpu"
+            if plan.device == "cpu"
             else ""
         )
     )

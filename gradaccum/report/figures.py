@@ -11,6 +11,7 @@ import seaborn as sns
 
 from gradaccum.params import Roles
 from gradaccum.planner import predict_mib
+from gradaccum.records import Plan
 from gradaccum.report import tables
 from gradaccum.report.document import Report
 from gradaccum.report.tables import Results, SpeedRatio, memory_label, peak_split
@@ -165,19 +166,18 @@ def throughput(rep: Report, speed: dict[str, Any]) -> None:
     )
 
 
-def sweep(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any]]) -> None:
+def sweep(rep: Report, plan: Plan, cards: list[dict[str, Any]]) -> None:
     """The sweep's points, the fitted lines and, on a GPU, each card's usable memory."""
-    points = pd.DataFrame([pt for pt in plan["points"] if pt["fit"]])
+    points = pd.DataFrame([pt for pt in plan.points if pt["fit"]])
     points["model"] = ["checkpointing" if pt.get("checkpointing") else "plain" for pt in points.to_dict("records")]
     fig, ax = plt.subplots(figsize=(7, 4))
     sns.scatterplot(points, x="micro_batch", y="peak_mib", hue="model", style="model", s=60, ax=ax)
     xs = sorted({0, *points["micro_batch"].tolist(), max(points["micro_batch"]) * 1.1})
-    for key, label, color in (("fit", "plain", "#4c72b0"), ("fit_checkpointing", "checkpointing", "#dd8452")):
-        if key in plan:
-            f = plan[key]
-            line = f"{label} planner: points joined, {f['per_sample_mib']:.3f} MiB/sample beyond"
-            ax.plot(xs, [predict_mib(f, x) for x in xs], color=color, linewidth=1, label=line)
-    on_gpu = plan["device"] == "cuda"
+    for checkpointing, label, color in ((False, "plain", "#4c72b0"), (True, "checkpointing", "#dd8452")):
+        line = plan.lines[checkpointing]
+        legend = f"{label} planner: points joined, {line.per_sample_mib:.3f} MiB/sample beyond"
+        ax.plot(xs, [predict_mib(line, x) for x in xs], color=color, linewidth=1, label=legend)
+    on_gpu = plan.device == "cuda"
     for card in cards if on_gpu else []:  # the card sizes the planner's table answers for
         ax.axhline(card["usable_mib"], color="#999", linewidth=0.8, linestyle="--")
         ax.annotate(f"{card['card_gb']} GB", (xs[1], card["usable_mib"]), fontsize=8, va="bottom", ha="right")
@@ -186,7 +186,7 @@ def sweep(rep: Report, plan: dict[str, Any], cards: list[dict[str, Any]]) -> Non
     rep.figure(
         "sweep.png",
         fig,
-        f"Memory sweep: {plan['measure']} at each micro-batch, plain and with activation checkpointing, with "
+        f"Memory sweep: {plan.measure} at each micro-batch, plain and with activation checkpointing, with "
         "the planner's prediction (the measured points joined, the fitted slope beyond them)"
         + (" and each card's usable memory (dashed)." if on_gpu else " (host memory: card sizes apply to a GPU run)."),
     )

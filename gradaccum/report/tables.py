@@ -11,7 +11,7 @@ import pandas as pd
 
 from gradaccum.params import Params, Roles
 from gradaccum.planner import predict_mib
-from gradaccum.records import MemoryPeaks, VariantRecord
+from gradaccum.records import MemoryPeaks, Plan, VariantRecord
 from gradaccum.tutorial import CLAIM_TOLERANCE, CLAIMS, kept_mistakes
 
 
@@ -159,9 +159,7 @@ class Findings:
         return lg - lb, ll - lb, lg - ll
 
 
-def findings(
-    results: Results, roles: Roles, speed: dict[str, Any] | None = None, plan: dict[str, Any] | None = None
-) -> Findings:
+def findings(results: Results, roles: Roles, speed: dict[str, Any] | None = None, plan: Plan | None = None) -> Findings:
     done = fitted(results)
     return Findings(
         roles=roles,
@@ -169,7 +167,7 @@ def findings(
         done=done,
         speed=speed_ratios(speed, roles.norm_control) if speed else {},
         loss={n: mean for n, m in done.items() if (mean := seed_mean(m, "final_train_loss")) is not None},
-        fixed_mib=plan["fit"]["fixed_mib"] if plan and plan["device"] == "cpu" else None,
+        fixed_mib=plan.line.fixed_mib if plan and plan.device == "cpu" else None,
     )
 
 
@@ -619,13 +617,13 @@ NOT_PREDICTED = "Not predicted: the trace gives memory only; a GPU run measures 
 
 
 def options_text(options: list[dict[str, Any]] | None) -> str:
-    """The planner's options for one card: lever, accum, predicted peak and the sweep's measured speed."""
+    """The planner's options for one card: checkpointing or not, accum, predicted peak, the sweep's measured speed."""
     if options is None:
         return "-"
     if not options:
         return "none fits"
     return "; ".join(
-        f"{'checkpointing, ' if o['lever'] == 'checkpointing' else ''}accum {o['accum']} (micro-batch "
+        f"{'checkpointing, ' if o['checkpointing'] else ''}accum {o['accum']} (micro-batch "
         f"{o['micro_batch']}): {o['predicted_peak_mib']} MiB, {o['images_per_s']:.0f} images/s"
         for o in options
     )
@@ -662,21 +660,20 @@ def precision_shift_mib(results: Results, name: str, trace: dict[str, Any] | Non
     return None
 
 
-def planner_rows(results: Results, plan: dict[str, Any], trace: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def planner_rows(results: Results, plan: Plan, trace: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Every variant: the planner's prediction for its micro-batch against its measured training peak.
 
     A prediction under the measurement by more than the safety margin is flagged: that is the direction that
     ends in an out-of-memory error. The sweep runs GroupNorm at the default precision; a variant at the other
     precision is predicted as the sweep's figure plus what the trace says the precision changes.
     """
-    margin, rows = plan["this_machine"]["safety_margin"], []
+    margin, rows = plan.this_machine.safety_margin, []
     for name, r in results.items():
         m = r.record
-        model = plan.get("fit_checkpointing" if m.checkpointing else "fit")
-        if not m.fit or model is None:
-            rows.append({"variant": name, "verdict": m.why_not() or "no fit for this lever"})
+        if not m.fit:
+            rows.append({"variant": name, "verdict": m.why_not()})
             continue
-        predicted, how = predict_mib(model, m.micro_batch), "sweep"
+        predicted, how = predict_mib(plan.lines[m.checkpointing], m.micro_batch), "sweep"
         if m.precision != "default":
             shift = precision_shift_mib(results, name, trace)
             if shift is None:
@@ -734,7 +731,7 @@ def peak_split(m: VariantRecord) -> dict[str, float]:
 
 def stage_times(
     records: dict[str, VariantRecord],
-    plan: dict[str, Any] | None,
+    plan: Plan | None,
     grad: dict[str, Any] | None,
     speed: dict[str, Any] | None = None,
     trace: dict[str, Any] | None = None,
@@ -742,9 +739,10 @@ def stage_times(
     """Each timed stage's process seconds and, of those, the study's own computation: the sweep's points,
     the gradient check, the timed rounds, each variant's training loop. The rest is start-up, evaluation,
     sampling, writing."""
-    plan, grad, speed, trace = plan or {}, grad or {}, speed or {}, trace or {}
+    grad, speed, trace = grad or {}, speed or {}, trace or {}
+    sweep_seconds = sum(r.get("seconds") or 0 for r in plan.points) if plan else 0
     stages = {
-        "sweep": (plan.get("stage_seconds"), sum(r.get("seconds") or 0 for r in plan.get("points", []))),
+        "sweep": (plan.stage_seconds if plan else None, sweep_seconds),
         "gradcheck": (grad.get("stage_seconds"), grad.get("compute_seconds")),
         "speed": (speed.get("stage_seconds"), speed.get("compute_seconds")),
         "trace": (trace.get("stage_seconds"), trace.get("compute_seconds")),
@@ -755,7 +753,7 @@ def stage_times(
 
 def time_rows(
     results: Results,
-    plan: dict[str, Any] | None,
+    plan: Plan | None,
     grad: dict[str, Any] | None,
     speed: dict[str, Any] | None = None,
     trace: dict[str, Any] | None = None,

@@ -13,6 +13,7 @@ import pandas as pd
 from gradaccum import planner
 from gradaccum.accumulation import micro_batch_size
 from gradaccum.params import Roles
+from gradaccum.records import Line, Plan
 from gradaccum.report.tables import COSTS, SAVES, Results, fmt, peak_mib
 from gradaccum.tutorial import CLAIM_TOLERANCE, CLAIMS
 
@@ -147,7 +148,7 @@ def assumptions(trace: dict[str, Any]) -> list[dict[str, str]]:
     return [{"on top of the allocator": k, "assumed (source)": v} for k, v in trace.get("gpu_assumptions", {}).items()]
 
 
-def cpu_rows(trace: dict[str, Any], results: Results, plan: dict[str, Any] | None) -> list[dict[str, Any]]:
+def cpu_rows(trace: dict[str, Any], results: Results, plan: Plan | None) -> list[dict[str, Any]]:
     """The CPU scale, where the trace can be held against real tensors: the same step with the CPU allocator's
     every allocation recorded (the profiler), and the training run's RSS less the sweep's fixed part."""
     out = []
@@ -168,7 +169,7 @@ def cpu_rows(trace: dict[str, Any], results: Results, plan: dict[str, Any] | Non
         }
         m = results[name].record if name in results else None
         if plan and m is not None and m.fit:
-            fixed = plan["fit_checkpointing" if m.checkpointing else "fit"]["fixed_mib"]
+            fixed = plan.lines[m.checkpointing].fixed_mib
             grown = peak_mib(m) - fixed
             row["training RSS less the sweep's fixed part (MiB)"] = fmt(grown, 0)
             row["traced / that"] = fmt(r["peak_mib"] / grown, 2) if grown > 0 else "-"
@@ -199,13 +200,14 @@ def card_rows(trace: dict[str, Any], batch: int, cards_gb: list[float], margin: 
     for card in cards_gb:
         usable = card * planner.GIB_MIB * (1 - margin)
         row: dict[str, Any] = {"card (GB)": card, "usable (MiB)": round(usable)}
-        for lever, line in trace["study_lines"].items():
+        for kind, traced_line in trace["study_lines"].items():
+            line = Line.model_validate(traced_line)
             accum = planner.smallest_accum(line, usable, batch)
             if accum is None:
-                row[lever] = "does not fit even at micro-batch 1"
+                row[kind] = "does not fit even at micro-batch 1"
                 continue
             micro = micro_batch_size(batch, accum)
-            row[lever] = f"accum {accum} (micro-batch {micro}): {planner.predict_mib(line, micro) / 1024:.1f} GiB"
+            row[kind] = f"accum {accum} (micro-batch {micro}): {planner.predict_mib(line, micro) / 1024:.1f} GiB"
         out.append(row)
     return out
 
