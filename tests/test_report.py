@@ -307,6 +307,7 @@ def trace_fixture(p: dict[str, Any]) -> dict[str, Any]:
             accum = 4 if v["accum"] == "accum" else v["accum"]
             micro = batch // accum
             row = {"variant": name, "scale": scale, "accum": accum, "micro_batch": micro, "amp": "float16"}
+            row["autocast_policy"] = "CUDA's (emulated)" if scale == "study" else "the CPU's"
             twice = 2 if name == "groupnorm_precision" else 1  # float32 keeps twice float16's activations
             row |= TRACE_FIXED | {"activations_mib": twice * per_sample * micro, "temporaries_mib": 0.0}
             row["peak_mib"] = 105.0 + twice * per_sample * micro

@@ -58,10 +58,23 @@ def gpu_answers(trace: dict[str, Any], roles: Roles) -> dict[str, str]:
     return out
 
 
+def measured_ratios(trace: dict[str, Any], results: Results) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per variant a GPU trained: each predicted figure's measurement and predicted / measured, worked out once."""
+    out = {}
+    for name, r in rows_at(trace, "study").items():
+        if name in results and (m := results[name].record).fit:
+            out[name] = {
+                label: (measured, r[key] / measured)
+                for label, key, measured_key in PREDICTED
+                if key in r and (measured := getattr(m.memory, measured_key))
+            }
+    return out
+
+
 def study_rows(trace: dict[str, Any], results: Results, on_gpu: bool) -> list[dict[str, Any]]:
     """Every variant's traced peak at the study scale, by kind, and the GPU figures it predicts: PyTorch's
     allocated and reserved peaks and nvidia-smi's; where the study ran on a GPU, each beside what it measured."""
-    out = []
+    out, measured = [], measured_ratios(trace, results) if on_gpu else {}
     for name, r in rows_at(trace, "study").items():
         if "peak_mib" not in r:
             out.append({"variant": name, "traced peak (GiB)": "-", "note": r.get("note", "-")})
@@ -70,7 +83,7 @@ def study_rows(trace: dict[str, Any], results: Results, on_gpu: bool) -> list[di
             "variant": name,
             "accum x micro-batch": f"{r['accum']} x {r['micro_batch']}",
             "autocast": r["amp"],
-            "policy": r.get("autocast_policy", "not recorded (traced before it was)"),
+            "policy": r["autocast_policy"],
             "traced peak (GiB)": gib(r["peak_mib"]),
             "activations": gib(r["activations_mib"]),
             "temporaries": gib(r["temporaries_mib"]),
@@ -78,29 +91,22 @@ def study_rows(trace: dict[str, Any], results: Results, on_gpu: bool) -> list[di
         }
         for label, key, _ in PREDICTED:
             row[f"{label}, predicted (GiB)"] = gib(r.get(key))
-        m = results[name].record if name in results else None
-        if on_gpu and m is not None and m.fit:
-            for label, key, measured_key in PREDICTED:
-                measured = getattr(m.memory, measured_key)
-                row[f"{label}, measured (GiB)"] = gib(measured)
-                row[f"{label}: predicted / measured"] = fmt(r[key] / measured, 3) if measured and key in r else "-"
+        for label, (mib, ratio) in measured.get(name, {}).items():
+            row[f"{label}, measured (GiB)"] = gib(mib)
+            row[f"{label}: predicted / measured"] = fmt(ratio, 3)
         out.append(row)
     return out
 
 
 def gpu_verdicts(trace: dict[str, Any], results: Results) -> str:
     """Where a GPU ran: how many variants each prediction brought within its goal, and the worst ratio."""
-    parts = []
-    for label, key, measured_key in PREDICTED:
-        ratios = [
-            r[key] / getattr(m.memory, measured_key)
-            for name, r in rows_at(trace, "study").items()
-            if key in r and name in results and (m := results[name].record).fit and getattr(m.memory, measured_key)
-        ]
+    parts, measured = [], measured_ratios(trace, results).values()
+    for label, goal in GOALS.items():
+        ratios = [v[label][1] for v in measured if label in v]
         if ratios:
-            within = sum(abs(x - 1) <= GOALS[label] for x in ratios)
+            within = sum(abs(x - 1) <= goal for x in ratios)
             worst = max(ratios, key=lambda x: abs(x - 1))
-            parts.append(f"{label}: {within} of {len(ratios)} variants within {GOALS[label]:.0%} (worst {worst:.3f})")
+            parts.append(f"{label}: {within} of {len(ratios)} variants within {goal:.0%} (worst {worst:.3f})")
     return "; ".join(parts) + "." if parts else "No variant measured on a GPU to hold the predictions against."
 
 
