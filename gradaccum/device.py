@@ -143,10 +143,12 @@ def predictions(p: Any) -> dict[str, Any]:
     import torch
 
     from gradaccum import allocator, trace
+    from gradaccum.records import FORMAT
 
     start = time.perf_counter()
     rows = [trace.trace_variant(p, v, "study") for v in p.variants]
     return {
+        "format": FORMAT,  # the report reads it as reports/trace.json
         "rows": rows,
         "torch": torch.__version__,
         "gpu_assumptions": allocator.GPU_ASSUMPTIONS,

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from gradaccum import mnist, params
-from gradaccum.outputs import write_json
 from gradaccum.refusal import BadInput, refuse
-from stages.paths import DATASET, PROVENANCE, RAW_DIR
+from stages.paths import DATASET, PROVENANCE, RAW_DIR, write_record
 
 
 def main() -> None:
@@ -15,7 +14,7 @@ def main() -> None:
     provenance["counts"] = {"train": int(len(arrays["train_y"])), "test": int(len(arrays["test_y"]))}
     provenance["image_shape"] = list(arrays["train_x"].shape[1:])
     mnist.save(arrays, DATASET)
-    write_json(PROVENANCE, provenance)
+    write_record(PROVENANCE, provenance)
     print(f"download: {provenance['kind']} {provenance['dataset']}: {provenance['counts']} -> {DATASET}")
 
 

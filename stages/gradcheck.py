@@ -8,10 +8,10 @@ import torch
 
 from gradaccum import gradcheck, mnist, models, params
 from gradaccum.machine import process_seconds
-from gradaccum.outputs import write_json, write_table
+from gradaccum.outputs import write_table
 from gradaccum.refusal import BadInput, refuse
 from gradaccum.spec import CHECKED, declared_spec
-from stages.paths import DATASET, GRADCHECK, GRADCHECK_TSV, hardware
+from stages.paths import DATASET, GRADCHECK, GRADCHECK_TSV, hardware, write_record
 
 
 def main() -> None:
@@ -24,7 +24,7 @@ def main() -> None:
     result = gradcheck.gradient_check(specs, data["train_x"], data["train_y"])
     write_table(GRADCHECK_TSV, result["rows"], gradcheck.COLUMNS)
     seconds = {"compute_seconds": time.perf_counter() - start, "stage_seconds": process_seconds()}
-    write_json(GRADCHECK, result | seconds)
+    write_record(GRADCHECK, result | seconds)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from gradaccum.outputs import MissingInput, read_input
-from gradaccum.records import Hardware, Plan, invalid
+from gradaccum.outputs import MissingInput, read_input, write_json
+from gradaccum.records import FORMAT, Hardware, Plan, invalid
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -49,9 +49,19 @@ MADE_BY = {
 }
 
 
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """A record another stage reads (provenance, gradient check, speed, trace), with the format it is read in."""
+    write_json(path, {"format": FORMAT} | record)
+
+
 def read(path: Path) -> Any:
-    """An input of a stage, or one line naming it and `dvc repro <the stage that makes it>`."""
-    return read_input(path, MADE_BY[path])
+    """A record `write_record` wrote, or one line naming it and `dvc repro <the stage that makes it>`: where it is
+    missing, and where it is of another format than this code reads."""
+    record = read_input(path, MADE_BY[path])
+    if record.get("format") != FORMAT:
+        again = f"`dvc repro -f {MADE_BY[path]}` makes it again"
+        raise MissingInput(f"{path}: format {record.get('format')!r}, not this code's {FORMAT}: {again}")
+    return record
 
 
 def read_if_there(path: Path) -> Any:
@@ -72,7 +82,7 @@ def sweep_plan() -> Plan | None:
 def typed(path: Path, model: type[T]) -> T:
     """A stage's JSON input read into its type; one written by other code says so in one line."""
     try:
-        return model.model_validate(read(path))
+        return model.model_validate(read_input(path, MADE_BY[path]))
     except ValidationError as err:
         again = f"`dvc repro -f {MADE_BY[path]}` makes it again"
         raise MissingInput(f"{path}: {invalid(err)}, not what this code reads: {again}") from None

@@ -9,11 +9,10 @@ import torch
 
 from gradaccum import mnist, models, params
 from gradaccum.machine import process_seconds
-from gradaccum.outputs import write_json
 from gradaccum.refusal import BadInput, refuse
 from gradaccum.spec import resolve
 from gradaccum.speed import time_variants
-from stages.paths import DATASET, SPEED, hardware, sweep_plan
+from stages.paths import DATASET, SPEED, hardware, sweep_plan, write_record
 
 
 def main() -> None:
@@ -25,7 +24,7 @@ def main() -> None:
     mnist.check_batch(hw.scale, batch, specs[0].train_samples, DATASET, steps=p.speed.steps)
     data = mnist.load_tensors(DATASET, torch.device(hw.device), p.speed.steps * batch, 0)
     result = time_variants(specs, data, p.speed.rounds, p.speed.steps)
-    write_json(SPEED, result | {"stage_seconds": process_seconds()})
+    write_record(SPEED, result | {"stage_seconds": process_seconds()})
     for name, row in result["variants"].items():
         print(f"speed@{name}: {row.get('median_images_per_s') or row.get('not_run') or row.get('did_not_fit')}")
 

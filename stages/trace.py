@@ -8,16 +8,15 @@ from __future__ import annotations
 
 from gradaccum import models, params, trace
 from gradaccum.machine import process_seconds
-from gradaccum.outputs import write_json
 from gradaccum.refusal import BadInput, refuse
-from stages.paths import TRACE
+from stages.paths import TRACE, write_record
 
 
 def main() -> None:
     p = params.load()
     models.check_input(p.model)
     result = trace.trace_all(p, log=lambda line: print(line, flush=True))
-    write_json(TRACE, result | {"stage_seconds": process_seconds()})
+    write_record(TRACE, result | {"stage_seconds": process_seconds()})
 
 
 if __name__ == "__main__":

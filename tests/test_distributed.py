@@ -237,7 +237,7 @@ def test_out_of_memory_in_one_rank_of_two_is_a_result(workdir: Path, tmp_path_fa
     arrays = {"train_x": rng.integers(0, 256, (n, 28, 28), dtype=np.uint8), "train_y": np.arange(n) % 10}
     arrays |= {"test_x": arrays["train_x"][:32], "test_y": arrays["train_y"][:32]}
     mnist.save({k: v.astype(np.uint8) for k, v in arrays.items()}, workdir / "data/dataset.npz")
-    write_json(workdir / "data/provenance.json", {"kind": "fallback"})
+    write_json(workdir / "data/provenance.json", {"format": 1, "kind": "fallback"})
     write_json(workdir / "data/hardware.json", machine("cpu").model_dump())
     text = (workdir / "params.yaml").read_text().replace("nproc_per_node: 1 ", "nproc_per_node: 2 ")
     text = text.replace("train_samples: 4000", f"train_samples: {n}").replace("batch: 256", f"batch: {n}")

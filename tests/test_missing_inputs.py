@@ -49,6 +49,7 @@ CASES = [
     for stage, inputs in INPUTS.items()
     for path, maker in inputs.items()
     for how in (("damaged",) if path in OPTIONAL else ("missing", "damaged"))  # optional: absent is fine
+    + (("another format",) if path.endswith(".json") else ())  # a record the code does not read: never guessed at
 ]
 
 
@@ -57,7 +58,7 @@ def inputs_in_place(workdir: Path) -> None:
     values = params.read(workdir / "params.yaml")
     (workdir / "params.yaml").write_text(yaml.safe_dump(params.assign(values, TINY), sort_keys=False))
     write_json(workdir / "data/hardware.json", HARDWARE)
-    write_json(workdir / "data/provenance.json", {"kind": "local", "dataset": "mnist"})
+    write_json(workdir / "data/provenance.json", {"format": 1, "kind": "local", "dataset": "mnist"})
     images, labels = np.zeros((100, 28, 28), np.uint8), np.arange(100, dtype=np.uint8) % 10
     mnist.save({"train_x": images, "train_y": labels, "test_x": images, "test_y": labels}, workdir / "data/dataset.npz")
     line, budget = {"fixed_mib": 100.0, "per_sample_mib": 1.0}, {"what": "RAM", "memory_mib": 9e9, "safety_margin": 0}
@@ -65,7 +66,7 @@ def inputs_in_place(workdir: Path) -> None:
     plan |= {"line": line, "line_checkpointing": line, "auto_accum": 1, "auto_accum_checkpointing": 1}
     write_json(workdir / "reports/sweep/planner.json", plan | {"this_machine": budget})
     for name in ("reports/trace.json", "reports/speed.json", "reports/gradcheck.json"):
-        write_json(workdir / name, {})
+        write_json(workdir / name, {"format": 1})
     folder = workdir / "reports/variants/baseline"
     folder.mkdir(parents=True)
     record = VariantRecord(
@@ -96,6 +97,8 @@ def test_a_missing_or_damaged_input_is_one_line_naming_the_stage_that_makes_it(
     target = workdir / path
     if how == "missing":
         target.unlink()
+    elif how == "another format":
+        write_json(target, json.loads(target.read_text()) | {"format": 0})
     else:
         target.write_bytes(b"\x00not what the stage wrote")
     monkeypatch.setattr(sys, "argv", [f"stages/{stage}.py", *(["accumulation"] if stage == "train" else [])])
@@ -106,7 +109,7 @@ def test_a_missing_or_damaged_input_is_one_line_naming_the_stage_that_makes_it(
     assert stopped.value.code == REFUSED, out + err
     [line] = err.strip().splitlines()
     # A variant's record: its folder when damaged; with none left, the folder of all of them.
-    named = {"damaged": str(Path(path).parent), "missing": "reports/variants/"}[how] if "variants" in path else path
+    named = (str(Path(path).parent) if how != "missing" else "reports/variants/") if "variants" in path else path
     assert line.startswith("error: ") and named in line, line
     assert f"`dvc repro {maker}" in line or f"`dvc repro -f {maker}" in line, line
     assert "Traceback" not in out + err

@@ -174,6 +174,7 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
     write_json(
         root / "data/provenance.json",
         {
+            "format": 1,
             "dataset": "mnist",
             "kind": "mirror",
             "source": ["https://example.invalid/mnist/"],
@@ -254,6 +255,7 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
     write_json(
         root / "reports/speed.json",
         {
+            "format": 1,
             "rounds": 3,
             "steps": 1,
             "batch": batch,
@@ -267,6 +269,7 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
     write_json(
         root / "reports/gradcheck.json",
         {
+            "format": 1,
             "batch": 96,
             "samples": 120,
             "windows": 2,
@@ -322,7 +325,8 @@ def trace_fixture(p: dict[str, Any]) -> dict[str, Any]:
     assumed = {"CUDA context": "500 MiB, assumed"}
     seconds = {"compute_seconds": 30.0, "stage_seconds": 34.0}
     tutorial = [r for r in rows if r["scale"] == "study" and r["variant"] in ("baseline", "tutorial_accumulation")]
-    return {"rows": rows, "study_lines": lines, "tutorial_settings": tutorial, "gpu_assumptions": assumed, **seconds}
+    out = {"format": 1, "rows": rows, "study_lines": lines, "tutorial_settings": tutorial}
+    return out | {"gpu_assumptions": assumed, **seconds}
 
 
 def mean_loss(m: dict[str, Any]) -> float:

@@ -134,7 +134,7 @@ def stage_inputs(root: Path) -> None:
         "test_y": rng.integers(0, 10, 32).astype(np.uint8),
     }
     mnist.save(arrays, root / "data/dataset.npz")
-    write_json(root / "data/provenance.json", {"kind": "fallback"})
+    write_json(root / "data/provenance.json", {"format": 1, "kind": "fallback"})
     write_json(root / "data/hardware.json", HARDWARE)
 
 
