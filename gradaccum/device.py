@@ -205,35 +205,33 @@ def _command(cmd: list[str]) -> str:
 
 
 def one_step(p: Any, device: Any, snapshot: Path) -> dict[str, Any]:
-    """One optimizer step of the baseline's model at micro-batch 1024, float16 autocast and GradScaler on a GPU (the
-    study's AMP), float32 on a CPU; PyTorch's allocated and reserved peaks and the allocator history of the step
-    (dumped whether or not GradScaler skipped the step, as its first often does)."""
+    """One optimizer step of the baseline's model at micro-batch 1024 through the study's loop, at the study's
+    precision (float16 autocast and GradScaler on a GPU, float32 on a CPU); PyTorch's allocated and reserved peaks
+    and the allocator history of the step (dumped whether or not GradScaler skipped the step, as its first often
+    does)."""
     import torch
-    import torch.nn.functional as F
 
-    from gradaccum import spec
-    from gradaccum.loop import make_optimizer, normalize
+    from gradaccum.accumulation import schedule
+    from gradaccum.experiment import variant_model
+    from gradaccum.loop import make_optimizer, make_scaler, train_epoch
     from gradaccum.memory import MIB
-    from gradaccum.models import build_model
+    from gradaccum.records import Hardware
+    from gradaccum.spec import resolve
 
     cuda = device.type == "cuda"
-    dtype = spec.AMP_DTYPES[spec.amp(device.type, p.train)]
-    model = build_model(**p.model.model_dump(), norm="batch", seed=p.seed, device=device)
-    opt, scaler = make_optimizer(model, lr=1e-3), torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    spec = resolve(p, p.roles.baseline, Hardware.nominal("study" if cuda else "cpu"), accum=1)
+    model, dtype = variant_model(spec, spec.seed, device), spec.dtype
+    opt, scaler = make_optimizer(model, spec.lr, spec.weight_decay), make_scaler(device, dtype)
     images = torch.randint(0, 256, (1024, 28, 28), dtype=torch.uint8, device=device)
     labels = torch.randint(0, p.model.num_classes, (1024,), device=device)
     if cuda:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     start = time.perf_counter()
-    scale = scaler.get_scale() if scaler.is_enabled() else None
-    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        loss = F.cross_entropy(model(normalize(images)), labels)
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    step = {"device": device.type, "amp": str(dtype), "micro_batch": 1024, "loss": float(loss)}
+    order = torch.arange(1024, device=device)
+    loss, _, skipped = train_epoch(model, opt, scaler, images, labels, order, schedule(1024, 1024, 1), dtype)
+    step = {"device": device.type, "amp": str(dtype), "micro_batch": 1024, "loss": loss}
     step["seconds"] = round(time.perf_counter() - start, 2)
-    step["scaler_skipped"] = scale is not None and scaler.get_scale() < scale  # its first step often is
+    step["scaler_skipped"] = skipped > 0  # its first step often is
     if cuda:
         tmp = snapshot.with_name(snapshot.name + ".tmp")
         torch.cuda.memory._dump_snapshot(str(tmp))
