@@ -79,8 +79,8 @@ MUTANTS = (
     Mutant(
         "the CPU-scale trace under CUDA's rules",
         "gradaccum/trace.py",
-        "    resident: int = 0,\n    policy: str = autocast_policy.CPU,\n) -> dict[str, Any]:\n    \"\"\"MiB live",
-        "    resident: int = 0,\n    policy: str = autocast_policy.CUDA,\n) -> dict[str, Any]:\n    \"\"\"MiB live",
+        "def trace_step(s: Step, policy: str = autocast_policy.CPU)",
+        "def trace_step(s: Step, policy: str = autocast_policy.CUDA)",
         ("tests/test_trace.py::test_float16_autocast_halves_what_the_convolutions_keep",),
     ),
     Mutant(

@@ -20,7 +20,7 @@ import torch
 from gradaccum import distributed
 from gradaccum.loop import Curves, train
 from gradaccum.memory import MIB, FirstStepSnapshot, MemorySampler, is_out_of_memory, peak_rss_mib
-from gradaccum.models import build_model, count_parameters
+from gradaccum.models import count_parameters, spec_model
 from gradaccum.records import FORMAT, CudnnRun, DidNotFit, MemoryPeaks, SeedRun, Settings, VariantRecord
 from gradaccum.spec import RunSpec
 from gradaccum.tutorial import CUDNN, kept_mistakes
@@ -117,15 +117,7 @@ def run_variant(
 
 def variant_model(spec: RunSpec, seed: int, device: torch.device) -> torch.nn.Module:
     """The variant's model, initialised from `seed`, DDP-wrapped under torchrun."""
-    model = build_model(
-        **spec.model.model_dump(),
-        norm=spec.norm,
-        seed=seed,
-        swap=spec.swap,
-        checkpointing=spec.checkpointing,
-        device=device,
-    )
-    return distributed.wrap(model, device, spec.sync_batchnorm)
+    return distributed.wrap(spec_model(spec, seed, device), device, spec.sync_batchnorm)
 
 
 def measured_training(

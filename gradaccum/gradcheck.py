@@ -55,11 +55,10 @@ def loop_gradients(
     micro: int,
     accum: int,
     weighting: str = "exact",
-    epoch_end_step: bool = True,
 ) -> list[torch.Tensor]:
     """Each window's gradient as `train_epoch` accumulates it over `perm`'s order (float32, one process)."""
     recorder = GradientRecorder(model.parameters())
-    batches = schedule(len(perm), micro, accum, weighting, epoch_end_step)
+    batches = schedule(len(perm), micro, accum, weighting)
     train_epoch(model, recorder, make_scaler(images.device, None), images, labels, perm, batches, None)
     return recorder.gradients
 
@@ -91,9 +90,8 @@ def window_differences(
     for a, b in spans:
         if (a, b) not in fulls:
             fulls[a, b] = full_gradient(model, images[perm[a:b]], labels[perm[a:b]])
-    return [
-        relative_difference(g, fulls[span]) for g, span in zip(got, spans, strict=True)
-    ]  # one optimizer step per window, or this fails
+    # one optimizer step per window, or this fails
+    return [relative_difference(g, fulls[span]) for g, span in zip(got, spans, strict=True)]
 
 
 def divide_misweighs(n: int, micro: int, accum: int) -> bool:

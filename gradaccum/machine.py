@@ -42,22 +42,6 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def driver_version() -> str | None:
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        )
-        return out.stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return None
-
-
 # The oldest Linux driver each CUDA major release runs on (NVIDIA's CUDA Toolkit release notes, "CUDA Minor
 # Version Compatibility"): a driver older than this leaves torch.cuda.is_available() False.
 MIN_DRIVER = {"13": "580", "12": "525", "11": "450"}
@@ -126,7 +110,7 @@ def describe(cuda: bool) -> dict[str, Any]:
             "memory_total_mib": props.total_memory // 2**20,
             "capability": f"{props.major}.{props.minor}",
             "cuda": torch.version.cuda,
-            "driver": driver_version(),
+            "driver": next((g["driver_version"] for g in listed_gpus()), None),  # one driver serves them all
             "count": torch.cuda.device_count(),
         }
     return info

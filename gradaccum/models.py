@@ -14,6 +14,7 @@ from gradaccum.refusal import BadInput
 
 if TYPE_CHECKING:
     from gradaccum.params import Model
+    from gradaccum.spec import RunSpec
 
 IMAGE_SIZE = 28  # MNIST and Fashion-MNIST alike
 
@@ -79,6 +80,20 @@ def build_model(
     if matmul_depthwise and torch.device(device).type == "cpu":
         use_matmul_depthwise(model)
     return model if torch.device(device).type == "cpu" else model.to(device)  # built there; a fake one can't move
+
+
+def spec_model(spec: RunSpec, seed: int | None = None, device: torch.device | str = "cpu") -> nn.Module:
+    """The spec's model as its device trains it (on a CPU with matrix-product depthwise convolutions), initialised
+    from `seed`, the spec's own unless another seed's run asks; built on `device`, which a trace makes fake."""
+    return build_model(
+        **spec.model.model_dump(),
+        norm=spec.norm,
+        seed=spec.seed if seed is None else seed,
+        swap=spec.swap,
+        checkpointing=spec.checkpointing,
+        device=device,
+        matmul_depthwise=spec.device == "cpu",
+    )
 
 
 def count_parameters(model: nn.Module) -> int:

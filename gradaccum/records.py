@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 FORMAT = 1  # the records' format: raised when a field changes meaning, so a reader never guesses at an old one
-PLAN_FORMAT = 2  # the sweep's plan's own: raised with its fields, as FORMAT is with the others'
+PLAN_FORMAT = 2  # the sweep's plan has a format of its own
 
 
 def invalid(err: ValidationError) -> str:

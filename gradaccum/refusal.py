@@ -1,17 +1,18 @@
 """Bad input, said in one line: by a stage, or by a process a stage started, which the stage passes on.
 
-Every stage ends on bad input with `refuse(err)`: one line `error: ...` on stderr and the exit status
-REFUSED, so a parent tells a refusal (pass its line on) from a crash (show its traceback). torchrun would
-bury a rank's line under its own ChildFailedError traceback, so a rank started by `distributed.relaunch`
-writes the line to the file that REFUSAL_FILE names instead, and the parent says it.
+Every stage runs its main in `refusing`, which ends on bad input with `refuse(err)`: one line `error: ...` on
+stderr and the exit status REFUSED, so a parent tells a refusal (pass its line on) from a crash (show its
+traceback). torchrun would bury a rank's line under its own ChildFailedError traceback, so a rank started by
+`distributed.relaunch` writes the line to the file that REFUSAL_FILE names instead, and the parent says it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 REFUSED = 65  # sysexits.h EX_DATAERR: the input was refused; the last line of stderr says why
 REFUSAL_FILE = "GRADACCUM_REFUSAL_FILE"  # set by distributed.relaunch for its ranks
@@ -36,6 +37,14 @@ def refuse(err: Exception | str) -> NoReturn:
     else:
         print(line, file=sys.stderr, flush=True)
     sys.exit(REFUSED)
+
+
+def refusing(main: Callable[..., None], *args: Any) -> None:
+    """A stage's `main(*args)`, ended by `refuse` on bad input (a child's refusal included)."""
+    try:
+        main(*args)
+    except BadInput as err:
+        refuse(err)
 
 
 def check_child(returncode: int, stderr: str) -> None:

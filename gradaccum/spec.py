@@ -90,20 +90,16 @@ def resolve(
         scale=hw.scale,
         device=hw.device,
         model=p.model,
-        **v.model_dump(include={"norm", "swap", "weighting", "epoch_end_step", "checkpointing", "cudnn", "precision"}),
+        **v.model_dump(exclude={"accum", "extra"}),  # accum is resolved below; extra names a DVC dependency
+        **scale.model_dump(include={"batch", "epochs", "train_samples", "test_samples"}),
         amp=precision,
-        lr=v.lr,
         weight_decay=p.train.weight_decay,
-        batch=scale.batch,
         accum=accum,
-        accum_setting=v.accum if v.accum != "accum" else p.accum,
+        accum_setting=accum_setting(p, v),
         world=world,
         micro_batch=micro,
         eval_batch=min(p.train.eval_batch, micro),
         sync_batchnorm=p.distributed.sync_batchnorm and v.norm == "batch" and world > 1,
-        epochs=scale.epochs,
-        train_samples=scale.train_samples,
-        test_samples=scale.test_samples,
         seed=p.seed,
         seeds=p.seeds,
         memory_interval_ms=p.memory.interval_ms,
@@ -137,27 +133,23 @@ STEP_IRRELEVANT = {"lr", "extra"}  # the learning rate scales the update, not th
 def step_twin(p: Params, variant: str) -> str | None:
     """The earlier variant whose optimizer step is this one's in every setting but the learning rate, if any:
     its speed and traced memory are this one's, so they are measured once (batchnorm_lr shares the baseline's)."""
-    mine = p.variants[variant].model_dump(exclude=STEP_IRRELEVANT)
-    for name, v in p.variants.items():
-        if name == variant:
-            return None
-        if v.model_dump(exclude=STEP_IRRELEVANT) == mine:
-            return name
-    return None
+    mine, names = p.variants[variant].model_dump(exclude=STEP_IRRELEVANT), list(p.variants)
+    earlier = names[: names.index(variant)]
+    return next((n for n in earlier if p.variants[n].model_dump(exclude=STEP_IRRELEVANT) == mine), None)
 
 
 def variant_accum(p: Params, variant: str, plan: Plan | None, scale: str, world: int) -> int:
     """The accumulation steps a variant runs with, checked against the batch of the scale that runs."""
     v = p.variants[variant]
-    if v.accum != "accum":
-        accum = v.accum
-    elif p.accum != "auto":
-        accum = p.accum
-    else:
-        accum = auto_accum(plan, v.checkpointing)
-    params_batch = p.scale_settings(scale).batch
-    check_accum(accum, params_batch, f"scales.{scale}.batch", world=world)
+    setting = accum_setting(p, v)
+    accum = auto_accum(plan, v.checkpointing) if setting == "auto" else setting
+    check_accum(accum, p.scale_settings(scale).batch, f"scales.{scale}.batch", world=world)
     return accum
+
+
+def accum_setting(p: Params, v: Variant) -> int | str:
+    """What params.yaml says a variant's accum is: its own integer, or the top-level key's (an integer or auto)."""
+    return v.accum if v.accum != "accum" else p.accum
 
 
 def auto_accum(plan: Plan | None, checkpointing: bool) -> int:

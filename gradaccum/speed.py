@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gradaccum.accumulation import schedule
-from gradaccum.experiment import cudnn_settings, variant_model
+from gradaccum.experiment import cudnn_settings, oom_record, variant_model
 from gradaccum.loop import make_optimizer, make_scaler, train_epoch
 from gradaccum.memory import is_out_of_memory
 from gradaccum.spec import RunSpec
@@ -57,9 +57,7 @@ def time_variants(specs: list[RunSpec], data: dict[str, torch.Tensor], rounds: i
             except Exception as err:
                 if not is_out_of_memory(err):
                     raise
-                out[name] = {"did_not_fit": f"out of memory: {str(err).splitlines()[0][:200]}"}
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                out[name] = {"did_not_fit": oom_record(err, device).reason}
                 continue
             if r:
                 out[name]["images_per_s"].append(round(n / seconds, 2))

@@ -62,10 +62,9 @@ def run_point(
     allocation (CPU), or the kernel's out-of-memory killer ending it with SIGKILL (CPU). Any other failure,
     and a point still running after memory.sweep_timeout_s, raises SweepError with what the point printed last.
     """
-    args = [*command, "--point", str(micro), "--steps", str(memory.sweep_steps), "--test-samples", str(test_samples)]
-    args += ["--last", str(last)]
-    checkpointing = spec.checkpointing
-    what = f"sweep point micro-batch {micro}{' (checkpointing)' if checkpointing else ''}"
+    args = [*command, "--point", str(micro), "--steps", str(memory.sweep_steps)]
+    args += ["--test-samples", str(test_samples), "--last", str(last)]
+    what = f"sweep point micro-batch {micro}{' (checkpointing)' if spec.checkpointing else ''}"
     try:
         proc = subprocess.run(
             args,
@@ -84,7 +83,7 @@ def run_point(
     if proc.returncode == -signal.SIGKILL:  # what the kernel's out-of-memory killer sends
         row: dict[str, Any] = dict.fromkeys(POINT_COLUMNS)
         error = "killed by SIGKILL, as the kernel's out-of-memory killer ends a process"
-        return row | {"micro_batch": micro, "checkpointing": checkpointing, "fit": False, "error": error}
+        return row | {"micro_batch": micro, "checkpointing": spec.checkpointing, "fit": False, "error": error}
     check_child(proc.returncode, proc.stderr)  # bad input, said in one line: passed on, no traceback
     lines = proc.stderr.strip().splitlines()
     tail = "\n".join(lines[-15:])  # a crash: its traceback

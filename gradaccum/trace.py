@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -36,7 +37,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _Update
 from gradaccum import allocator, autocast_policy
 from gradaccum.loop import make_optimizer, normalize
 from gradaccum.memory import MIB
-from gradaccum.models import IMAGE_SIZE, build_model
+from gradaccum.models import IMAGE_SIZE, spec_model
 from gradaccum.params import Params, set_values
 from gradaccum.records import DEVICES, Hardware
 from gradaccum.spec import AutoUndecided, RunSpec, resolve, step_twin, sweep_spec
@@ -96,83 +97,87 @@ def steady_optimizer(model: nn.Module, accum: int, policy: str = autocast_policy
     return opt
 
 
-def step(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    micro: int,
-    num_classes: int,
-    dtype: torch.dtype | None,
-    device: str = "cpu",
-) -> None:
-    """One micro-batch's forward and backward as the loop runs it, then the optimizer step that ends a window.
+@dataclass(frozen=True)
+class Step:
+    """One training step to trace: the model, the micro-batch and window it runs at, its classes, the autocast
+    dtype, and how many uint8 images stay resident beside it (training keeps its dataset on the device)."""
 
-    The loop's loss weighting and GradScaler hold no tensors of any size (the scaler unscales in place),
-    so the peak is this one's.
-    """
-    images = torch.empty(micro, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8, device=device)
-    labels = torch.empty(micro, dtype=torch.long, device=device).random_(num_classes)
-    with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
-        loss = F.cross_entropy(model(normalize(images)), labels)
-    loss.backward()
-    del loss, images, labels
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    build: Callable[[], nn.Module]
+    micro: int
+    accum: int
+    num_classes: int
+    dtype: torch.dtype | None
+    resident: int = 0
+
+    @classmethod
+    def of(cls, spec: RunSpec, fast_norm: bool = False) -> Step:
+        """The spec's step as its device trains it, its data resident; `fast_norm` with timm's fast norm."""
+        build = partial(spec_model, spec)
+        return cls(
+            with_fast_norm(build) if fast_norm else build,
+            spec.micro_batch,
+            spec.accum,
+            spec.model.num_classes,
+            spec.dtype,
+            spec.train_samples + spec.test_samples,
+        )
+
+    def made(self, policy: str = autocast_policy.CPU, device: str = "cpu") -> tuple[nn.Module, Any, torch.Tensor]:
+        """What is live before the step: the model, its steady optimizer, the resident data."""
+        model = self.build()
+        data = torch.empty(self.resident, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8, device=device)
+        return model, steady_optimizer(model, self.accum, policy), data
+
+    def run(self, model: nn.Module, opt: torch.optim.Optimizer, device: str = "cpu") -> None:
+        """One micro-batch's forward and backward as the loop runs it, then the optimizer step that ends a window.
+
+        The loop's loss weighting and GradScaler hold no tensors of any size (the scaler unscales in place),
+        so the peak is this one's.
+        """
+        images = torch.empty(self.micro, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8, device=device)
+        labels = torch.empty(self.micro, dtype=torch.long, device=device).random_(self.num_classes)
+        with torch.autocast(device, dtype=self.dtype, enabled=self.dtype is not None):
+            loss = F.cross_entropy(model(normalize(images)), labels)
+        loss.backward()
+        del loss, images, labels
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
-def trace_step(
-    build: Callable[[], nn.Module],
-    micro: int,
-    accum: int,
-    num_classes: int,
-    dtype: torch.dtype | None,
-    resident: int = 0,
-    policy: str = autocast_policy.CPU,
-) -> dict[str, Any]:
+def trace_step(s: Step, policy: str = autocast_policy.CPU) -> dict[str, Any]:
     """MiB live at the peak of a steady-state step on fake tensors, in total and by kind, and whose rules cast it.
 
-    `resident` uint8 images stay resident, as training keeps its dataset on the device. `policy` is whose
-    autocast rules cast each op ("cuda" or "cpu"): a GPU figure needs CUDA's, and with them comes what
-    CUDA's caching allocator would make of the same allocations (gradaccum/allocator.py): its allocated
-    and reserved peaks and the nvidia-smi figure they predict.
+    `policy` is whose autocast rules cast each op ("cuda" or "cpu"): a GPU figure needs CUDA's, and with them
+    comes what CUDA's caching allocator would make of the same allocations (gradaccum/allocator.py): its
+    allocated and reserved peaks and the nvidia-smi figure they predict.
     """
     rules = autocast_policy.cuda_policy() if policy == autocast_policy.CUDA else contextlib.nullcontext()
     device = "cuda" if policy == autocast_policy.NATIVE_CUDA else "cpu"  # fake CUDA tensors need a driver
     with rules as difference, FakeTensorMode(), torch.device(device):  # made there: a fake module cannot move
-        model = build()
-        opt = steady_optimizer(model, accum, policy)
-        dataset = torch.empty(resident, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8, device=device)
+        model, opt, data = s.made(policy, device)
         tracker = PeakTracker()
-        tracker.track_external(model, opt, dataset)
+        tracker.track_external(model, opt, data)
         with tracker:
             start = len(tracker.events)  # what was there before the step: weights, optimizer state, data
-            step(model, opt, micro, num_classes, dtype, device)
+            s.run(model, opt, device)
             events = list(tracker.events)
         (peak,) = tracker.get_tracker_snapshot("peak").values()  # one device
     kinds = {ours: peak.get(theirs, 0) / MIB for theirs, ours in KINDS.items()}
     row: dict[str, Any] = {"peak_mib": sum(kinds.values()), **{f"{k}_mib": v for k, v in kinds.items()}}
-    row["autocast_policy"] = policy_name(policy, dtype, difference)
+    row["autocast_policy"] = policy_name(policy, s.dtype, difference)
     if policy in (autocast_policy.CUDA, autocast_policy.NATIVE_CUDA):
         row |= allocator.predict_gpu(events[:start], events[start:])
     return row
 
 
-def allocated_peak_mib(
-    build: Callable[[], nn.Module],
-    micro: int,
-    accum: int,
-    num_classes: int,
-    dtype: torch.dtype | None,
-    resident: int = 0,
-) -> float:
+def allocated_peak_mib(s: Step) -> float:
     """The same step on real CPU tensors: the peak of what PyTorch's CPU allocator handed out, from the
     profiler's record of every allocation and free (kernels' own workspaces included, which a trace misses)."""
     profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     with quiet_native_stderr(), profile as prof:
-        model = build()
-        opt = steady_optimizer(model, accum)
-        dataset = torch.empty(resident, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
-        step(model, opt, micro, num_classes, dtype)
-        del model, opt, dataset
+        model, opt, data = s.made()
+        s.run(model, opt)
+        del model, opt, data
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = peak = 0
     for event in sorted(events, key=lambda e: e.start_ns()):
@@ -193,20 +198,6 @@ def quiet_native_stderr() -> Iterator[None]:
         finally:
             os.dup2(saved, 2)
             os.close(saved)
-
-
-def variant_builder(spec: RunSpec) -> Callable[[], nn.Module]:
-    """The spec's model as its device trains it: on the CPU with matrix-product depthwise convolutions."""
-    return partial(
-        build_model,
-        **spec.model.model_dump(),
-        norm=spec.norm,
-        seed=spec.seed,
-        swap=spec.swap,
-        checkpointing=spec.checkpointing,
-        device="cpu",
-        matmul_depthwise=spec.device == "cpu",
-    )
 
 
 def with_fast_norm(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -249,14 +240,12 @@ def trace_variant(
     spec = traced_spec(p, variant, scale, accum)
     if spec is None:
         return row | {"note": "accum: auto is decided on the device that runs it; see python -m gradaccum.cards"}
-    build = with_fast_norm(variant_builder(spec)) if fast_norm else variant_builder(spec)
-    args = (build, spec.micro_batch, spec.accum, spec.model.num_classes, spec.dtype)
-    resident = spec.train_samples + spec.test_samples
+    s = Step.of(spec, fast_norm)
     row |= {"accum": spec.accum, "micro_batch": spec.micro_batch, "amp": spec.amp}
     row |= {"fast_norm": True} if fast_norm else {}
-    row |= trace_step(*args, resident, policy=autocast_policy.NATIVE_CUDA if native else spec.device)
+    row |= trace_step(s, policy=autocast_policy.NATIVE_CUDA if native else spec.device)
     if allocated:
-        row["allocated_peak_mib"] = allocated_peak_mib(*args, resident)
+        row["allocated_peak_mib"] = allocated_peak_mib(s)
     return row
 
 
@@ -275,23 +264,16 @@ def policy_name(
     return "the CPU's"
 
 
-def peak_line(
-    build: Callable[[], nn.Module],
-    dtype: torch.dtype | None,
-    micros: tuple[int, int],
-    num_classes: int,
-    resident: int,
-    policy: str = autocast_policy.CPU,
-) -> dict[str, Any]:
-    """The traced peak as a line in the micro-batch (the planner's `fit` format), from two sizes; under
-    CUDA's policy the predicted nvidia-smi figure (tensors, the allocator's cache, the context) instead.
+def peak_line(s: Step, micros: tuple[int, int], policy: str = autocast_policy.CPU) -> dict[str, Any]:
+    """The traced peak of `s` as a line in the micro-batch (a records.Line), from two sizes; under CUDA's policy
+    the predicted nvidia-smi figure (tensors, the allocator's cache, the context) instead.
 
     The peak is the larger of the optimizer step's (flat) and backward's (growing exactly with the batch):
     two sizes where backward sets it give the line exactly, and a chord across both parts lies above the
     peak between them. Traced with a window's gradients held (accum > 1), the larger of the two steady
     states, so a suggested accum never falls short.
     """
-    rows = [trace_step(build, m, 2, num_classes, dtype, resident, policy) for m in micros]
+    rows = [trace_step(replace(s, micro=m, accum=2), policy) for m in micros]
     low, high = (figure(r) for r in rows)
     per_sample = (high - low) / (micros[1] - micros[0])
     line = {"fixed_mib": low - per_sample * micros[0], "per_sample_mib": per_sample, "r2": 1.0}
@@ -305,12 +287,10 @@ def figure(row: dict[str, float]) -> float:
 
 
 def variant_line(p: Params, spec: RunSpec) -> dict[str, Any]:
-    """`peak_line` of the spec's model and precision at its scale, between the scale's smallest and largest sweep
-    sizes, its data resident (gradaccum.cards; with the sweep's spec, the planner's two lines)."""
-    s = p.scale_settings(spec.scale)
-    micros = (s.sweep_micro_batches[0], s.sweep_micro_batches[-1])
-    build, resident = variant_builder(spec), s.train_samples + s.test_samples
-    return peak_line(build, spec.dtype, micros, spec.model.num_classes, resident, spec.device)
+    """`peak_line` of the spec's step between its scale's smallest and largest sweep sizes (gradaccum.cards;
+    with the sweep's spec, the planner's two lines)."""
+    sizes = p.scale_settings(spec.scale).sweep_micro_batches
+    return peak_line(Step.of(spec), (sizes[0], sizes[-1]), spec.device)
 
 
 def tutorial_settings(p: Params) -> Params:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gradaccum import mnist, params
-from gradaccum.refusal import BadInput, refuse
+from gradaccum.refusal import refusing
 from stages.paths import DATASET, PROVENANCE, RAW_DIR, write_record
 
 
@@ -19,7 +19,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BadInput as err:
-        refuse(err)
+    refusing(main)

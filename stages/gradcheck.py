@@ -9,7 +9,7 @@ import torch
 from gradaccum import gradcheck, mnist, models, params
 from gradaccum.machine import process_seconds
 from gradaccum.outputs import write_table
-from gradaccum.refusal import BadInput, refuse
+from gradaccum.refusal import refusing
 from gradaccum.spec import CHECKED, declared_spec
 from stages.paths import DATASET, GRADCHECK, GRADCHECK_TSV, hardware, write_record
 
@@ -28,7 +28,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BadInput as err:
-        refuse(err)
+    refusing(main)

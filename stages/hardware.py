@@ -12,7 +12,7 @@ from gradaccum import mnist, models, params
 from gradaccum.machine import describe, unusable_gpu
 from gradaccum.outputs import write_json
 from gradaccum.records import FORMAT, Hardware
-from gradaccum.refusal import BadInput, refuse
+from gradaccum.refusal import BadInput, refusing
 from gradaccum.spec import check_distributed
 from stages.paths import HARDWARE
 
@@ -25,9 +25,8 @@ def main() -> None:
         raise BadInput(why)
     info = {"format": FORMAT} | describe(cuda)
     info["scale"] = params.resolve_scale(p, cuda)
-    check_distributed(
-        p, Hardware.model_validate(info)
-    )  # here, before any long stage: more processes than GPUs, SyncBatchNorm on a CPU
+    # here, before any long stage: more processes than GPUs, SyncBatchNorm on a CPU
+    check_distributed(p, Hardware.model_validate(info))
     scale = p.scale_settings(info["scale"])  # the batches against the scale's images; the data's own count: sweep
     mnist.check_batch(info["scale"], scale.batch, scale.train_samples, steps=p.speed.steps)
     write_json(HARDWARE, info)
@@ -36,7 +35,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BadInput as err:
-        refuse(err)
+    refusing(main)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gradaccum import params
 from gradaccum.outputs import atomic_path, write_json, write_text
-from gradaccum.refusal import BadInput, refuse
+from gradaccum.refusal import refusing
 from gradaccum.report import Inputs, build, load_variants, tables
 from stages.paths import (
     GRADCHECK,
@@ -66,7 +66,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BadInput as err:
-        refuse(err)
+    refusing(main)

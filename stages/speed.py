@@ -9,7 +9,7 @@ import torch
 
 from gradaccum import mnist, models, params
 from gradaccum.machine import process_seconds
-from gradaccum.refusal import BadInput, refuse
+from gradaccum.refusal import refusing
 from gradaccum.spec import resolve
 from gradaccum.speed import time_variants
 from stages.paths import DATASET, SPEED, hardware, sweep_plan, write_record
@@ -30,7 +30,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BadInput as err:
-        refuse(err)
+    refusing(main)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from gradaccum import models, params, trace
 from gradaccum.machine import process_seconds
-from gradaccum.refusal import BadInput, refuse
+from gradaccum.refusal import refusing
 from stages.paths import TRACE, write_record
 
 
@@ -20,7 +20,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BadInput as err:
-        refuse(err)
+    refusing(main)

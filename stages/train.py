@@ -20,18 +20,9 @@ from gradaccum.loop import EPOCH_COLUMNS, STEP_COLUMNS
 from gradaccum.machine import process_seconds
 from gradaccum.memory import TIMELINE_COLUMNS
 from gradaccum.outputs import atomic_path, read_json, write_json, write_table, write_text
-from gradaccum.refusal import BadInput, refuse
+from gradaccum.refusal import refusing
 from gradaccum.spec import check_distributed, resolve
-from stages.paths import (
-    DATASET,
-    PROVENANCE,
-    hardware,
-    live_dir,
-    read,
-    sweep_plan,
-    variant_dir,
-    weights_path,
-)
+from stages.paths import DATASET, PROVENANCE, hardware, live_dir, read, sweep_plan, variant_dir, weights_path
 
 
 def main(variant: str, memory_snapshot: Path | None = None) -> None:
@@ -103,7 +94,4 @@ if __name__ == "__main__":
         help="on a GPU, dump PyTorch's memory history up to the first optimizer step there (scripts/gpu_check.sh)",
     )
     args = parser.parse_args()
-    try:
-        main(args.variant, args.memory_snapshot)
-    except BadInput as err:  # a rank's refusal too (Refused)
-        refuse(err)
+    refusing(main, args.variant, args.memory_snapshot)

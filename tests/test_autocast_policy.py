@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradaccum import autocast_policy, params, trace
 from gradaccum.memory import MIB
+from gradaccum.models import spec_model
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
@@ -73,12 +75,15 @@ def test_a_torch_without_one_listed_op_traces_a_model_that_never_calls_it(monkey
 
 def test_a_model_calling_a_differing_op_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     as_torch_2_11(monkeypatch)
+
     def build() -> nn.Module:
         return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8), nn.RMSNorm(8))
 
     with pytest.raises(autocast_policy.PolicyMismatch, match=r"calls aten::rms_norm, and torch .* lacks rms_norm"):
-        trace.trace_step(build, 4, 1, 8, torch.float16, policy=autocast_policy.CUDA)
-    assert trace.trace_step(build, 4, 1, 8, torch.float16)["peak_mib"] > 0  # the CPU's rules: no question arises
+        trace.trace_step(trace.Step(build, 4, 1, 8, torch.float16), policy=autocast_policy.CUDA)
+    assert (
+        trace.trace_step(trace.Step(build, 4, 1, 8, torch.float16))["peak_mib"] > 0
+    )  # the CPU's rules: no question arises
     monkeypatch.setattr(autocast_policy, "POLICIES", {k: v for k, v in autocast_policy.POLICIES.items() if k != "exp"})
     with autocast_policy.cuda_policy() as diff, torch.autocast("cpu", dtype=torch.float16):
         assert diff.new == ("exp",)
@@ -150,7 +155,7 @@ def forward_calls(build: Any, device: str, rules: str) -> list[tuple[str, tuple[
 def test_every_call_of_the_study_models_gets_the_dtype_cuda_autocast_gives_it(variant: str) -> None:
     """Both norms, both swaps, checkpointing: call by call, the emulation's output dtypes are those of PyTorch's
     real CUDA autocast kernels (on fake CUDA tensors); the CPU's own policy differs wherever GroupNorm runs."""
-    build = trace.variant_builder(trace.traced_spec(params.load(ROOT / "params.yaml"), variant, "study"))
+    build = partial(spec_model, trace.traced_spec(params.load(ROOT / "params.yaml"), variant, "study"))
     cuda = forward_calls(build, "cuda", "real")
     assert forward_calls(build, "cpu", "emulated") == cuda
     norms = {dtypes for name, dtypes in cuda if name in ("group_norm", "batch_norm")}
@@ -162,7 +167,7 @@ def test_every_call_of_the_study_models_gets_the_dtype_cuda_autocast_gives_it(va
 
 
 def test_checkpointings_recompute_in_backward_keeps_cudas_policy() -> None:
-    build = trace.variant_builder(trace.traced_spec(params.load(ROOT / "params.yaml"), "accum_checkpointing", "study"))
+    build = partial(spec_model, trace.traced_spec(params.load(ROOT / "params.yaml"), "accum_checkpointing", "study"))
     with autocast_policy.cuda_policy(), FakeTensorMode():
         model = build()
         with torch.autocast("cpu", dtype=torch.float16):
@@ -206,7 +211,7 @@ def test_a_groupnorm_model_traced_under_cudas_policy_counts_float32_where_cuda_s
     n = micro * channels * 28 * 28
 
     def traced(policy: str) -> dict[str, float]:
-        return trace.trace_step(lambda: norm_model(channels), micro, 2, 10, torch.float16, policy=policy)
+        return trace.trace_step(trace.Step(lambda: norm_model(channels), micro, 2, 10, torch.float16), policy=policy)
 
     cuda, cpu = traced(autocast_policy.CUDA), traced(autocast_policy.CPU)
     assert cuda["temporaries_mib"] * MIB == 8 * n
@@ -260,7 +265,7 @@ def test_the_traced_gpu_step_holds_adamws_foreach_temporaries() -> None:
         return nn.Sequential(nn.Conv2d(1, 64, 3, stride=4), *convs, *head)
 
     sizes = [p.numel() * 4 / MIB for p in build().parameters()]
-    on_cpu = trace.trace_step(build, 1, 1, 10, None, policy=autocast_policy.CPU)
-    on_gpu = trace.trace_step(build, 1, 1, 10, None, policy=autocast_policy.CUDA)
+    on_cpu = trace.trace_step(trace.Step(build, 1, 1, 10, None), policy=autocast_policy.CPU)
+    on_gpu = trace.trace_step(trace.Step(build, 1, 1, 10, None), policy=autocast_policy.CUDA)
     assert on_cpu["activations_mib"] == on_gpu["activations_mib"] == 0  # the step's peak, after backward
     assert on_gpu["peak_mib"] - on_cpu["peak_mib"] == pytest.approx(sum(sizes) - 2 * max(sizes), rel=1e-3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 from gradaccum import models, params, trace
 from gradaccum.loop import normalize
 from gradaccum.memory import MIB
+from gradaccum.models import spec_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PIXELS, CLASSES = 28 * 28, 1000
@@ -36,7 +38,7 @@ def test_a_linear_models_step_traces_to_the_hand_count() -> None:
     of the weight's size (the CPU's one-tensor loop: the second moment's square root, then that over the bias
     correction), the step counter (4 bytes), and the resident data. CUDA's foreach: tests/test_allocator.py."""
     data = 1000
-    r = trace.trace_step(linear, micro=1, accum=2, num_classes=10, dtype=None, resident=data)
+    r = trace.trace_step(trace.Step(linear, 1, 2, 10, None, data))
     assert r["parameters_mib"] * MIB == P and r["gradients_mib"] * MIB == P and r["data_mib"] * MIB == data * PIXELS
     assert r["optimizer_mib"] * MIB == 4 * P + 4
     assert r["peak_mib"] * MIB == 6 * P + 4 + data * PIXELS
@@ -46,31 +48,31 @@ def test_a_linear_models_activations_are_the_tensors_backward_needs() -> None:
     """Micro-batch m: the uint8 images, the normalised input the linear layer saves, the logits, the labels,
     and the two scalars (loss, its weighting) live at the peak in backward."""
     m = 512
-    r = trace.trace_step(linear, micro=m, accum=2, num_classes=10, dtype=None)
+    r = trace.trace_step(trace.Step(linear, m, 2, 10, None))
     assert r["activations_mib"] * MIB == m * PIXELS + m * PIXELS * 4 + m * CLASSES * 4 + m * 8 + 8
 
 
 def test_the_real_allocators_peak_equals_the_trace() -> None:
     """The same step on real CPU tensors, every allocation recorded by the profiler: not a byte apart."""
-    traced = trace.trace_step(linear, micro=512, accum=2, num_classes=10, dtype=None, resident=100)["peak_mib"]
-    assert trace.allocated_peak_mib(linear, micro=512, accum=2, num_classes=10, dtype=None, resident=100) == traced
+    traced = trace.trace_step(trace.Step(linear, 512, 2, 10, None, 100))["peak_mib"]
+    assert trace.allocated_peak_mib(trace.Step(linear, 512, 2, 10, None, 100)) == traced
 
 
 def test_efficientnet_at_the_cpu_scale_is_within_1pct_of_real_allocations() -> None:
     p = params.load(ROOT / "params.yaml")
-    build = trace.variant_builder(trace.traced_spec(p, "accumulation", "cpu"))
-    traced = trace.trace_step(build, 64, 4, 10, None)["peak_mib"]
-    assert traced == pytest.approx(trace.allocated_peak_mib(build, 64, 4, 10, None), rel=0.01)
+    build = partial(spec_model, trace.traced_spec(p, "accumulation", "cpu"))
+    traced = trace.trace_step(trace.Step(build, 64, 4, 10, None))["peak_mib"]
+    assert traced == pytest.approx(trace.allocated_peak_mib(trace.Step(build, 64, 4, 10, None)), rel=0.01)
 
 
 def test_the_traced_peak_is_a_line_in_the_micro_batch_once_backward_sets_it() -> None:
     """Below ~400 samples the linear model's peak is AdamW's step (flat), above it backward's (growing):
     two sizes in the growing part give the line exactly; the chord over both parts lies above the peak."""
-    predict = trace.peak_line(linear, None, (1024, 4096), 10, 0)
-    at_2048 = trace.trace_step(linear, 2048, 2, 10, None)["peak_mib"]
+    predict = trace.peak_line(trace.Step(linear, 0, 2, 10, None, 0), (1024, 4096))
+    at_2048 = trace.trace_step(trace.Step(linear, 2048, 2, 10, None))["peak_mib"]
     assert predict["fixed_mib"] + predict["per_sample_mib"] * 2048 == pytest.approx(at_2048, rel=1e-9)
-    chord = trace.peak_line(linear, None, (1, 1024), 10, 0)
-    at_256 = trace.trace_step(linear, 256, 2, 10, None)["peak_mib"]
+    chord = trace.peak_line(trace.Step(linear, 0, 2, 10, None, 0), (1, 1024))
+    at_256 = trace.trace_step(trace.Step(linear, 256, 2, 10, None))["peak_mib"]
     assert chord["fixed_mib"] + chord["per_sample_mib"] * 256 >= at_256
 
 
@@ -80,7 +82,7 @@ def test_float16_autocast_halves_what_the_convolutions_keep() -> None:
     float32's and a little more (measured 0.523); an autocast that left the norms' maps in float32, as
     CUDA's does, would give about 0.85."""
     p = params.load(ROOT / "params.yaml")
-    build = trace.variant_builder(trace.traced_spec(p, "groupnorm", "study"))
+    build = partial(spec_model, trace.traced_spec(p, "groupnorm", "study"))
     saved: dict[torch.dtype, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -91,8 +93,8 @@ def test_float16_autocast_halves_what_the_convolutions_keep() -> None:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.float16):
         build()(normalize(images)).float().sum()
     assert saved.get(torch.float32, 0) < 0.005 * saved[torch.float16]
-    full = trace.trace_step(build, 256, 1, 10, None)["activations_mib"]
-    half = trace.trace_step(build, 256, 1, 10, torch.float16)["activations_mib"]
+    full = trace.trace_step(trace.Step(build, 256, 1, 10, None))["activations_mib"]
+    half = trace.trace_step(trace.Step(build, 256, 1, 10, torch.float16))["activations_mib"]
     assert 0.5 <= half / full < 0.55
 
 

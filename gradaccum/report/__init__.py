@@ -60,7 +60,6 @@ def load_variants(names: list[str], folder: Path) -> tables.Results:
                 steps=pd.read_csv(d / "steps.tsv", sep="\t"),
             )
         except (OSError, ValueError) as err:  # a missing curve, a damaged record (pydantic's error is a ValueError)
-            # the field, not "1 validation error for VariantRecord"
             first = invalid(err) if isinstance(err, ValidationError) else str(err).splitlines()[0]
             raise MissingInput(
                 f"{d}/ cannot be read ({type(err).__name__}: {first}): `dvc repro -f train@{name}` makes it again"
@@ -99,9 +98,8 @@ def build(inputs: Inputs, found: tables.Findings) -> Report:
     within = f"A claim holds where what was measured or predicted is within {CLAIM_TOLERANCE:.0%} of it"
     rep.text(within + ' (its figures are "about" figures from one run).')
     study_on_gpu = hw.scale == "study" and hw.device == "cuda"
-    claims = tables.claims_table(found, study_on_gpu, inputs.grad)
-    tutorial_rows = traced.tutorial_claims(inputs.trace, inputs.results, study_on_gpu, p.roles) if inputs.trace else []
-    rep.table(claims[:2] + tutorial_rows + claims[2:])  # the tutorial's GPU figures, then the trace beside them
+    gpu_figures = traced.tutorial_claims(inputs.trace, inputs.results, study_on_gpu, p.roles) if inputs.trace else []
+    rep.table(gpu_figures + tables.claims_table(found, inputs.grad))
     rep.text(tables.steps_note(p, hw.scale))
     seed_section(rep, inputs.results, p.seeds)
     lever_section(rep, found)
@@ -266,9 +264,10 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
             "nvidia-smi within 10%) wait for `scripts/gpu_check.sh` on one."
         )
     )
-    rep.table(traced.study_rows(trace, inputs.results, on_gpu), explain_once=("policy",))
+    measured = traced.measured_ratios(trace, inputs.results) if on_gpu else {}
+    rep.table(traced.study_rows(trace, measured), explain_once=("policy",))
     if on_gpu:
-        rep.text("Predicted against measured: " + traced.gpu_verdicts(trace, inputs.results))
+        rep.text("Predicted against measured: " + traced.gpu_verdicts(measured))
     if finding := traced.groupnorm_cost(trace, inputs.params.roles):
         rep.text(finding)
     rep.text("What the nvidia-smi predictions assume on top of the traced tensors and the allocator's rules:")

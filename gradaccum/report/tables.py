@@ -160,7 +160,7 @@ class Findings:
 
 
 def findings(results: Results, roles: Roles, speed: dict[str, Any] | None = None, plan: Plan | None = None) -> Findings:
-    done = fitted(results)
+    done = {name: r.record for name, r in results.items() if r.record.fit}  # the variants that trained to the end
     return Findings(
         roles=roles,
         results=results,
@@ -176,17 +176,11 @@ def speed_ratios(speed: dict[str, Any], reference: str) -> dict[str, SpeedRatio]
     ref = speed["variants"].get(reference, {}).get("images_per_s")
     out = {}
     for name, row in speed["variants"].items():
-        mine = row.get("images_per_s")
-        if ref and mine and len(mine) == len(ref):
+        if ref and (mine := row.get("images_per_s")) and len(mine) == len(ref):
             per_round = [m / r for m, r in zip(mine, ref, strict=True)]
             n, faster, slower = len(per_round), sum(x > 1 for x in per_round), sum(x < 1 for x in per_round)
             out[name] = SpeedRatio(statistics.median(per_round), min(per_round), max(per_round), n, faster, slower)
     return out
-
-
-def fitted(results: Results) -> dict[str, VariantRecord]:
-    """The records of the variants that ran to the end."""
-    return {name: r.record for name, r in results.items() if r.record.fit}
 
 
 def seed_values(m: VariantRecord, key: str) -> list[float]:
@@ -297,37 +291,6 @@ def claim(text: str, measured: str, over: float | None, result: str | None = Non
         "measured / claimed": fmt(over, 2),
         "verdict": result or verdict(over),
     }
-
-
-def absolute_claims(f: Findings, study_on_gpu: bool) -> list[dict[str, str]]:
-    """The tutorial's two memory figures; comparable only when the study itself ran on a GPU."""
-    rows = []
-    for name, text, gb in (
-        (f.roles.baseline, "about 30 GB at batch 32768 (BatchNorm)", CLAIMS["baseline_gb"]),
-        (f.roles.treatment, "about 13.7 GB with 8192 x 4 (GroupNorm)", CLAIMS["accumulation_gb"]),
-    ):
-        m = f.results[name].record if name in f.results else None
-        if m is None:
-            rows.append(claim(text, "-", None, f"not run: no {name} variant"))
-        elif m.not_run:
-            rows.append(claim(text, "-", None, f"not run: {m.not_run}"))
-        elif not m.fit:
-            failed = m.did_not_fit
-            at = f"{failed.memory_at_failure_mib} of {failed.device_total_mib} MiB"
-            rows.append(claim(text, f"did not fit ({at})", None, "did not fit on this machine"))
-        elif study_on_gpu and (m.batch, m.accum) != (
-            CLAIMS["batch"],
-            1 if name == f.roles.baseline else CLAIMS["accum"],
-        ):
-            measured = f"{peak_mib(m) / 1024:.1f} GB at this run's {m.accum} x {m.micro_batch} of {m.batch}"
-            rows.append(claim(text, measured, None, "settings differ: the traced row below holds the tutorial's"))
-        elif study_on_gpu:
-            measured = peak_mib(m) / 1024
-            rows.append(claim(text, f"{measured:.1f} GB", measured / gb))
-        else:
-            measured_text = f"{peak_mib(m):.0f} MiB host RSS (CPU scale)"
-            rows.append(claim(text, measured_text, None, "scale differs: compare the ratio below"))
-    return rows
 
 
 def ratio_claims(f: Findings) -> list[dict[str, str]]:
@@ -445,9 +408,9 @@ def batchnorm_claim(f: Findings, grad: dict[str, Any]) -> dict[str, str]:
     )
 
 
-def claims_table(f: Findings, study_on_gpu: bool, grad: dict[str, Any] | None = None) -> list[dict[str, str]]:
-    """The tutorial's claims, then the controls that separate what it changed at once (norm, accumulation)."""
-    rows = absolute_claims(f, study_on_gpu) + ratio_claims(f) + control_claims(f)
+def claims_table(f: Findings, grad: dict[str, Any] | None = None) -> list[dict[str, str]]:
+    """The tutorial's claims this run measured, then the controls that separate what it changed at once."""
+    rows = ratio_claims(f) + control_claims(f)
     return rows + ([batchnorm_claim(f, grad)] if grad else [])
 
 

@@ -11,10 +11,9 @@ from typing import Any
 import pandas as pd
 
 from gradaccum import planner
-from gradaccum.accumulation import micro_batch_size
 from gradaccum.params import Roles
 from gradaccum.records import Line, Plan
-from gradaccum.report.tables import COSTS, SAVES, Results, fmt, peak_mib
+from gradaccum.report.tables import COSTS, SAVES, Results, fmt, peak_mib, verdict
 from gradaccum.tutorial import CLAIM_TOLERANCE, CLAIMS
 
 FIXED_KINDS = ("parameters_mib", "buffers_mib", "gradients_mib", "optimizer_mib", "data_mib")
@@ -58,7 +57,7 @@ def gpu_answers(trace: dict[str, Any], roles: Roles) -> dict[str, str]:
     return out
 
 
-def measured_ratios(trace: dict[str, Any], results: Results) -> dict[str, dict[str, tuple[float, float]]]:
+def measured_ratios(trace: dict[str, Any], results: Results) -> Measured:
     """Per variant a GPU trained: each predicted figure's measurement and predicted / measured, worked out once."""
     out = {}
     for name, r in rows_at(trace, "study").items():
@@ -71,10 +70,13 @@ def measured_ratios(trace: dict[str, Any], results: Results) -> dict[str, dict[s
     return out
 
 
-def study_rows(trace: dict[str, Any], results: Results, on_gpu: bool) -> list[dict[str, Any]]:
+Measured = dict[str, dict[str, tuple[float, float]]]  # variant -> figure -> (measured MiB, predicted / measured)
+
+
+def study_rows(trace: dict[str, Any], measured: Measured) -> list[dict[str, Any]]:
     """Every variant's traced peak at the study scale, by kind, and the GPU figures it predicts: PyTorch's
-    allocated and reserved peaks and nvidia-smi's; where the study ran on a GPU, each beside what it measured."""
-    out, measured = [], measured_ratios(trace, results) if on_gpu else {}
+    allocated and reserved peaks and nvidia-smi's; where a GPU ran the study, each beside what it measured."""
+    out = []
     for name, r in rows_at(trace, "study").items():
         if "peak_mib" not in r:
             out.append({"variant": name, "traced peak (GiB)": "-", "note": r.get("note", "-")})
@@ -98,11 +100,11 @@ def study_rows(trace: dict[str, Any], results: Results, on_gpu: bool) -> list[di
     return out
 
 
-def gpu_verdicts(trace: dict[str, Any], results: Results) -> str:
+def gpu_verdicts(measured: Measured) -> str:
     """Where a GPU ran: how many variants each prediction brought within its goal, and the worst ratio."""
-    parts, measured = [], measured_ratios(trace, results).values()
+    parts = []
     for label, goal in GOALS.items():
-        ratios = [v[label][1] for v in measured if label in v]
+        ratios = [v[label][1] for v in measured.values() if label in v]
         if ratios:
             within = sum(abs(x - 1) <= goal for x in ratios)
             worst = max(ratios, key=lambda x: abs(x - 1))
@@ -201,21 +203,21 @@ def cpu_note(trace: dict[str, Any]) -> str:
 
 
 def card_rows(trace: dict[str, Any], batch: int, cards_gb: list[float], margin: float) -> list[dict[str, Any]]:
-    """Per GPU card: the fewest micro-batches a step of the study's batch needs, from the traced lines."""
-    out = []
-    for card in cards_gb:
-        usable = card * planner.GIB_MIB * (1 - margin)
-        row: dict[str, Any] = {"card (GB)": card, "usable (MiB)": round(usable)}
-        for kind, traced_line in trace["study_lines"].items():
-            line = Line.model_validate(traced_line)
-            accum = planner.smallest_accum(line, usable, batch)
-            if accum is None:
-                row[kind] = "does not fit even at micro-batch 1"
-                continue
-            micro = micro_batch_size(batch, accum)
-            row[kind] = f"accum {accum} (micro-batch {micro}): {planner.predict_mib(line, micro) / 1024:.1f} GiB"
-        out.append(row)
-    return out
+    """Per GPU card: the fewest micro-batches a step of the study's batch needs, from each traced line."""
+    lines = trace["study_lines"].items()
+    per_line = {kind: planner.card_table(Line.model_validate(line), batch, cards_gb, margin) for kind, line in lines}
+    return [
+        {"card (GB)": card, "usable (MiB)": per_line["plain"][i]["usable_mib"]}
+        | {kind: accum_text(rows[i]) for kind, rows in per_line.items()}
+        for i, card in enumerate(cards_gb)
+    ]
+
+
+def accum_text(card: dict[str, Any]) -> str:
+    if card["smallest_accum"] is None:
+        return "does not fit even at micro-batch 1"
+    micro, gib = card["micro_batch"], card["predicted_peak_mib"] / 1024
+    return f"accum {card['smallest_accum']} (micro-batch {micro}): {gib:.1f} GiB"
 
 
 def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool, roles: Roles) -> list[dict[str, str]]:
@@ -225,7 +227,8 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool, roles
     The 13.7 GB was the tutorial's own code (plain GroupNorm swap), so the tutorial_code role answers it; the
     claimed GB are read as GiB, as nvidia-smi's MiB divided by 1024. Each claim is held against the step at the
     tutorial's settings (4 x 8192 of 32768, traced whatever params.yaml says); where this run's differ, the row
-    says so and shows this run's too, and a GPU's measurement (made at this run's settings) is shown beside it."""
+    says so and shows this run's too. Where a GPU ran the study, its measurement stands beside the prediction,
+    and is held to the claim itself where it ran the tutorial's step."""
     this_run = rows_at(trace, "study")
     study = this_run | {r["variant"]: r for r in trace["tutorial_settings"]}
     out = []
@@ -239,21 +242,20 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool, roles
             continue
         tensors, reserved, smi = (r[k] / 1024 for k in ("peak_mib", "gpu_reserved_mib", "gpu_nvidia_smi_mib"))
         context = r["gpu_context_mib"] / 1024
-        m = results[name].record if name in results else None
+        m = results[name].record if on_gpu and name in results else None
         own = this_run.get(name, r)
         differs = (own.get("accum"), own.get("micro_batch")) != (r["accum"], r["micro_batch"])
-        measured = (
-            f"; nvidia-smi on this GPU {m.memory.nvidia_smi_peak_mib / 1024:.1f} GiB"
-            + (f" (at this run's {m.accum} x {m.micro_batch})" if differs else "")
-            if on_gpu and m is not None and m.fit and m.memory.nvidia_smi_peak_mib
-            else ""
-        )
+        at = f" (at this run's {m.accum} x {m.micro_batch})" if m and differs else ""
+        gpu = m.memory.nvidia_smi_peak_mib if m and m.fit else None
+        measured = f"; on this GPU: {m.why_not()}" if m and not m.fit else ""
+        measured += f"; nvidia-smi on this GPU {gpu / 1024:.1f} GiB{at}" if gpu else ""
         if differs and "gpu_nvidia_smi_mib" in own:
             measured = (
                 f"; this run's settings differ ({own['accum']} x {own['micro_batch']}): tensors "
                 f"{own['peak_mib'] / 1024:.1f} GiB, nvidia-smi {own['gpu_nvidia_smi_mib'] / 1024:.1f} predicted"
                 + measured
             )
+        held = gpu / 1024 / gb if gpu and not differs else None  # a GPU's measurement of the tutorial's own step
         left = gb - smi
         out.append(
             {
@@ -261,8 +263,9 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool, roles
                 "measured": f"`{name}` predicted at the tutorial's settings: tensors {tensors:.1f} GiB ({r['amp']}, "
                 f"{r['accum']} x {r['micro_batch']}, CUDA's autocast rules), reserved {reserved:.1f}, nvidia-smi "
                 f"{smi:.1f}" + measured,
-                "measured / claimed": fmt(smi / gb, 2),
-                "verdict": f"of the claim, the tensors explain {tensors / gb:.0%}, the caching allocator's reserve "
+                "measured / claimed": fmt(held or smi / gb, 2),
+                "verdict": (f"measured on this GPU: {verdict(held)}; " if held else "")
+                + f"of the claim, the tensors explain {tensors / gb:.0%}, the caching allocator's reserve "
                 f"(rounding, cache, cuBLAS workspaces) {(reserved - tensors) / gb:.0%}, the CUDA context (assumed) "
                 f"{context / gb:.0%}; "
                 + (
@@ -313,12 +316,13 @@ def main(argv: list[str] | None = None) -> None:
         results = load_variants([r["variant"] for r in rows_at(trace, "study").values()], folder / "variants")
     except FileNotFoundError:
         results = {}
-    rows = study_rows(trace, results, on_gpu)
+    measured = measured_ratios(trace, results) if on_gpu else {}
+    rows = study_rows(trace, measured)
     columns = dict.fromkeys(c for r in rows for c in r)  # a variant that did not fit has no measured columns
     keep = ["variant", "accum x micro-batch"] + [c for c in columns if "predicted" in c or "measured" in c]
     print(pd.DataFrame(rows).reindex(columns=keep).to_string(index=False, na_rep="-"))
     print(
-        "Predicted against measured: " + gpu_verdicts(trace, results)
+        "Predicted against measured: " + gpu_verdicts(measured)
         if on_gpu
         else "No GPU ran the study here: predictions only."
     )
