@@ -79,8 +79,8 @@ MUTANTS = (
     Mutant(
         "the CPU-scale trace under CUDA's rules",
         "gradaccum/trace.py",
-        "def trace_step(s: Step, policy: str = autocast_policy.CPU)",
-        "def trace_step(s: Step, policy: str = autocast_policy.CUDA)",
+        "def trace_step(s: Step, policy: str = autocast_policy.CPU, gpu",
+        "def trace_step(s: Step, policy: str = autocast_policy.CUDA, gpu",
         ("tests/test_trace.py::test_float16_autocast_halves_what_the_convolutions_keep",),
     ),
     Mutant(

@@ -120,9 +120,37 @@ class CachingAllocator:
 
 # What a GPU adds that no trace sees, as assumptions with their sources (the report prints them).
 CUBLAS_WORKSPACE = 32 * MIB  # sm90 and later (H100, H200); 8.125 MiB before (4096 KiB x 2 + 16 KiB x 8)
+CUBLAS_WORKSPACE_BEFORE_SM90 = 4096 * 1024 * 2 + 16 * 1024 * 8
 CUBLAS_WORKSPACES = 2  # one per (cuBLAS handle, stream): the forward's thread and autograd's device thread
 CUDNN_WORKSPACE = 0  # chosen per convolution at run time, freed after it: not modelled
 CUDA_CONTEXT = 500 * MIB  # driver, kernels, cuDNN/cuBLAS handles: outside PyTorch's allocator
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """What differs between GPUs that the prediction uses: the card's size (GiB, as nvidia-smi's MiB / 1024), its
+    architecture's cuBLAS workspace, and the CUDA context (the same assumption on every card)."""
+
+    name: str
+    memory_gib: float
+    cublas_workspace: int = CUBLAS_WORKSPACE
+    context: int = CUDA_CONTEXT
+
+
+GPUS = {  # --gpu NAME in gradaccum.fit; the study's figures are the H100's
+    "h100": Gpu("H100 80GB (sm90)", 80),
+    "h200": Gpu("H200 141GB (sm90)", 141),
+    "a100-40gb": Gpu("A100 40GB (sm80)", 40, CUBLAS_WORKSPACE_BEFORE_SM90),
+    "a100-80gb": Gpu("A100 80GB (sm80)", 80, CUBLAS_WORKSPACE_BEFORE_SM90),
+    "a10": Gpu("A10 24GB (sm86)", 24, CUBLAS_WORKSPACE_BEFORE_SM90),
+    "l4": Gpu("L4 24GB (sm89)", 24, CUBLAS_WORKSPACE_BEFORE_SM90),
+    "rtx3090": Gpu("RTX 3090 24GB (sm86)", 24, CUBLAS_WORKSPACE_BEFORE_SM90),
+    "rtx4090": Gpu("RTX 4090 24GB (sm89)", 24, CUBLAS_WORKSPACE_BEFORE_SM90),
+    "v100-16gb": Gpu("V100 16GB (sm70)", 16, CUBLAS_WORKSPACE_BEFORE_SM90),
+    "v100-32gb": Gpu("V100 32GB (sm70)", 32, CUBLAS_WORKSPACE_BEFORE_SM90),
+    "t4": Gpu("T4 16GB (sm75)", 15, CUBLAS_WORKSPACE_BEFORE_SM90),  # 15360 MiB visible
+}
+STUDY_GPU = GPUS["h100"]
 GPU_ASSUMPTIONS = {
     "cuBLAS workspaces": (
         f"{CUBLAS_WORKSPACES} x {CUBLAS_WORKSPACE // MIB} MiB, allocated through the caching allocator (in "
@@ -145,7 +173,7 @@ GPU_ASSUMPTIONS = {
 
 
 def predict_gpu(
-    before: list[tuple[str, object, int]], step: list[tuple[str, object, int]], rounds: int = 2
+    before: list[tuple[str, object, int]], step: list[tuple[str, object, int]], rounds: int = 2, gpu: Gpu = STUDY_GPU
 ) -> dict[str, float]:
     """torch.cuda's allocated and reserved peaks, and nvidia-smi's, for a training step's allocations.
 
@@ -159,7 +187,7 @@ def predict_gpu(
     for key, size in resident.items():
         a.malloc(("before", key), size)
     for i in range(CUBLAS_WORKSPACES):  # made at the first matrix product, kept for the process's life
-        a.malloc(("cublas", i), CUBLAS_WORKSPACE)
+        a.malloc(("cublas", i), gpu.cublas_workspace)
     for r in range(rounds):
         for key, size in resident.items():
             if not a.is_live(("before", key)):
@@ -173,8 +201,8 @@ def predict_gpu(
     return {
         "gpu_allocated_mib": a.peak_allocated / MIB,
         "gpu_reserved_mib": a.peak_reserved / MIB,
-        "gpu_context_mib": CUDA_CONTEXT / MIB,
-        "gpu_nvidia_smi_mib": (a.peak_reserved + CUDA_CONTEXT) / MIB,
+        "gpu_context_mib": gpu.context / MIB,
+        "gpu_nvidia_smi_mib": (a.peak_reserved + gpu.context) / MIB,
     }
 
 

@@ -19,9 +19,8 @@ from typing import Any
 
 import pandas as pd
 
-from gradaccum import allocator, models, params, planner, trace
+from gradaccum import allocator, fit, models, params, planner, trace
 from gradaccum.models import IMAGE_SIZE
-from gradaccum.records import Line
 from gradaccum.refusal import BadInput
 
 
@@ -29,9 +28,9 @@ def answer(p: params.Params, variants: list[str], cards_gb: list[float], scale: 
     """A row per variant: its traced tensors, the nvidia-smi figure they predict on a GPU (the allocator's
     cache and the CUDA context on top: gradaccum/allocator.py) and, per card, "fits" when that figure is at
     most the card less memory.safety_margin, or the smallest accum that would fit (with `accum: auto`,
-    which has no accum to trace, the smallest accum on every card). A suggested accum is traced itself,
-    and raised until it fits: the line between two traced sizes only proposes it."""
-    batch, margin = p.scale_settings(scale).batch, p.memory.safety_margin
+    which has no accum to trace, the smallest accum on every card), found by gradaccum.fit's engine: a line
+    between two traced sizes proposes it, and it is traced itself and raised until it fits."""
+    margin = p.memory.safety_margin
     rows = []
     for variant in variants:
         traced = trace.trace_variant(p, variant, scale)
@@ -43,27 +42,17 @@ def answer(p: params.Params, variants: list[str], cards_gb: list[float], scale: 
         }
         if scale == "study":
             row["nvidia-smi GiB (predicted)"] = need / 1024 if need else math.nan
-        line = None  # two more traces, only for a card the variant does not fit as configured
+        engine = None  # more traces, only for a card the variant does not fit as configured
         for card in cards_gb:
             usable = card * planner.GIB_MIB * (1 - margin)
             if need and need <= usable:
                 row[f"{card:g} GB"] = "fits"
                 continue
-            line = line or Line.model_validate(trace.variant_line(p, trace.traced_spec(p, variant, scale, accum=1)))
-            accum = fitting_accum(p, variant, scale, planner.smallest_accum(line, usable, batch), usable)
+            engine = engine or fit.spec_engine(trace.traced_spec(p, variant, scale, accum=1))
+            accum = engine.smallest_accum(usable)
             row[f"{card:g} GB"] = f"accum {accum}" if accum else "no"
         rows.append(row)
     return rows
-
-
-def fitting_accum(p: params.Params, variant: str, scale: str, accum: int | None, usable: float) -> int | None:
-    """`accum`, or the next one up, whose own traced figure fits `usable` MiB (None: nothing fits)."""
-    batch = p.scale_settings(scale).batch
-    while accum is not None and accum <= batch:
-        if trace.figure(trace.trace_variant(p, variant, scale, accum=accum)) <= usable:
-            return accum
-        accum += 1
-    return None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -81,14 +81,25 @@ class PeakTracker(MemTracker):
                 self._peak_mem_snap[device] = dict(snapshot)
 
 
-def steady_optimizer(model: nn.Module, accum: int, policy: str = autocast_policy.CPU) -> torch.optim.Optimizer:
-    """AdamW as every micro-batch after the first step finds it: its two moments made, and with accum > 1
-    the window's gradients held (accum 1 frees them after each step: zero_grad(set_to_none=True)).
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {  # what a step's optimizer keeps: none, one or two
+    "adamw": partial(make_optimizer, lr=1e-3),  # the study's: two moments per parameter
+    "adam": lambda model, foreach: torch.optim.Adam(model.parameters(), lr=1e-3, foreach=foreach),
+    "sgd": lambda model, foreach: torch.optim.SGD(model.parameters(), lr=0.1, foreach=foreach),
+    "sgd-momentum": lambda model, foreach: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=foreach),
+}
 
-    Under CUDA's rules, AdamW's foreach implementation, PyTorch's default for CUDA parameters: its step holds
+
+def steady_optimizer(
+    model: nn.Module, accum: int, policy: str = autocast_policy.CPU, kind: str = "adamw"
+) -> torch.optim.Optimizer:
+    """The optimizer as every micro-batch after the first step finds it: its state made (AdamW's two moments, SGD's
+    momentum), and with accum > 1 the window's gradients held (accum 1 frees them after each step:
+    zero_grad(set_to_none=True)).
+
+    Under CUDA's rules, the foreach implementation, PyTorch's default for CUDA parameters: its step holds
     whole lists of parameter-sized temporaries, where the CPU's default (which fake CPU tensors would get)
     holds one tensor's at a time."""
-    opt = make_optimizer(model, lr=1e-3, foreach=True if policy == autocast_policy.CUDA else None)  # native: CUDA's
+    opt = OPTIMIZERS[kind](model, foreach=True if policy == autocast_policy.CUDA else None)  # native: CUDA's
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -100,7 +111,12 @@ def steady_optimizer(model: nn.Module, accum: int, policy: str = autocast_policy
 @dataclass(frozen=True)
 class Step:
     """One training step to trace: the model, the micro-batch and window it runs at, its classes, the autocast
-    dtype, and how many uint8 images stay resident beside it (training keeps its dataset on the device)."""
+    dtype, and what the input is.
+
+    The study's input (`arrives="uint8"`): 28x28 digits indexed from a uint8 dataset of which `resident` images stay
+    on the device, normalised there. A DataLoader's (`arrives="float32"`): a normalised float32 batch of `input`'s
+    shape, copied to the device each step, nothing resident.
+    """
 
     build: Callable[[], nn.Module]
     micro: int
@@ -108,6 +124,10 @@ class Step:
     num_classes: int
     dtype: torch.dtype | None
     resident: int = 0
+    input: tuple[int, int, int] = (1, IMAGE_SIZE, IMAGE_SIZE)
+    arrives: str = "uint8"
+    optimizer: str = "adamw"
+    channels_last: bool = False
 
     @classmethod
     def of(cls, spec: RunSpec, fast_norm: bool = False) -> Step:
@@ -125,8 +145,18 @@ class Step:
     def made(self, policy: str = autocast_policy.CPU, device: str = "cpu") -> tuple[nn.Module, Any, torch.Tensor]:
         """What is live before the step: the model, its steady optimizer, the resident data."""
         model = self.build()
-        data = torch.empty(self.resident, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8, device=device)
-        return model, steady_optimizer(model, self.accum, policy), data
+        for p in model.parameters() if self.channels_last else []:  # what model.to(channels_last) does, which
+            if p.dim() == 4:  # cannot swap a fake module's parameters
+                p.data = p.data.contiguous(memory_format=torch.channels_last)
+        data = torch.empty(self.resident, *self.input[1:], dtype=torch.uint8, device=device)
+        return model, steady_optimizer(model, self.accum, policy, self.optimizer), data
+
+    def images(self, device: str = "cpu") -> torch.Tensor:
+        """One micro-batch as it reaches the device: indexed from the uint8 dataset, or a DataLoader's float32."""
+        if self.arrives == "uint8":
+            return torch.empty(self.micro, *self.input[1:], dtype=torch.uint8, device=device)
+        images = torch.empty(self.micro, *self.input, device=device)
+        return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
     def run(self, model: nn.Module, opt: torch.optim.Optimizer, device: str = "cpu") -> None:
         """One micro-batch's forward and backward as the loop runs it, then the optimizer step that ends a window.
@@ -134,17 +164,17 @@ class Step:
         The loop's loss weighting and GradScaler hold no tensors of any size (the scaler unscales in place),
         so the peak is this one's.
         """
-        images = torch.empty(self.micro, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8, device=device)
+        images = self.images(device)
         labels = torch.empty(self.micro, dtype=torch.long, device=device).random_(self.num_classes)
         with torch.autocast(device, dtype=self.dtype, enabled=self.dtype is not None):
-            loss = F.cross_entropy(model(normalize(images)), labels)
+            loss = F.cross_entropy(model(normalize(images) if self.arrives == "uint8" else images), labels)
         loss.backward()
         del loss, images, labels
         opt.step()
         opt.zero_grad(set_to_none=True)
 
 
-def trace_step(s: Step, policy: str = autocast_policy.CPU) -> dict[str, Any]:
+def trace_step(s: Step, policy: str = autocast_policy.CPU, gpu: allocator.Gpu = allocator.STUDY_GPU) -> dict[str, Any]:
     """MiB live at the peak of a steady-state step on fake tensors, in total and by kind, and whose rules cast it.
 
     `policy` is whose autocast rules cast each op ("cuda" or "cpu"): a GPU figure needs CUDA's, and with them
@@ -166,7 +196,7 @@ def trace_step(s: Step, policy: str = autocast_policy.CPU) -> dict[str, Any]:
     row: dict[str, Any] = {"peak_mib": sum(kinds.values()), **{f"{k}_mib": v for k, v in kinds.items()}}
     row["autocast_policy"] = policy_name(policy, s.dtype, difference)
     if policy in (autocast_policy.CUDA, autocast_policy.NATIVE_CUDA):
-        row |= allocator.predict_gpu(events[:start], events[start:])
+        row |= allocator.predict_gpu(events[:start], events[start:], gpu=gpu)
     return row
 
 

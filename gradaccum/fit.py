@@ -1,0 +1,374 @@
+"""Will it fit my card? One training step of any model traced on fake tensors, under CUDA's rules, no GPU needed.
+
+    python -m gradaccum.fit resnet50 --input 3x224x224 --num-classes 1000 --batch 256 --amp float16
+    python -m gradaccum.fit torchvision:vit_b_16 --input 3x224x224 --num-classes 1000 --batch 64 --gpu a100-40gb
+    python -m gradaccum.fit efficientnet_b0 --batch 32768 --json          # the study's model and input
+
+The step is the study's engine (gradaccum/trace.py): the model built on fake tensors (shapes, no storage), the
+optimizer in its steady state, a batch of the input's shape arriving as a DataLoader delivers it, forward and
+backward under autocast with CUDA's lists (gradaccum/autocast_policy.py), the optimizer step; its allocations
+replayed through a model of CUDA's caching allocator (gradaccum/allocator.py) predict torch.cuda's
+max_memory_allocated and max_memory_reserved, and nvidia-smi's figure with the CUDA context on top. A card fits
+when that figure is at most the card less the margin; where it does not, the smallest accum that does (itself
+traced), and what activation checkpointing or the other precision would need instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from gradaccum import allocator, autocast_policy, planner, trace
+from gradaccum.accumulation import micro_batch_size
+from gradaccum.records import Line
+from gradaccum.refusal import BadInput, refuse
+from gradaccum.spec import AMP_DTYPES, RunSpec
+
+OTHER_PRECISION = {"float16": "float32", "bfloat16": "float32", "float32": "float16"}
+KINDS = {  # the trace's kinds -> what the printout calls them
+    "weights": ("parameters_mib", "buffers_mib"),
+    "gradients": ("gradients_mib",),
+    "optimizer state": ("optimizer_mib",),
+    "activations": ("activations_mib",),
+    "temporaries": ("temporaries_mib",),
+    "other (resident data)": ("data_mib",),  # the input batch is an activation: the first layer saves it
+}
+DEFAULT_CARDS = (8.0, 12.0, 16.0, 24.0, 40.0, 80.0)
+
+
+class Untraceable(BadInput):
+    """A model that cannot be built or traced: refused in one line that names it and says why."""
+
+
+@dataclass(frozen=True)
+class Question:
+    """What a person with a model, a batch and a card asks: every setting of the step, and the cards."""
+
+    model: str  # a timm name, or torchvision:NAME
+    input: tuple[int, int, int] = (1, 28, 28)
+    num_classes: int = 10
+    batch: int = 256  # the effective batch: samples per optimizer step
+    accum: int | None = None  # None: the smallest that fits each card
+    amp: str = "float16"
+    optimizer: str = "adamw"
+    checkpointing: bool = False
+    channels_last: bool = False
+    gpu: allocator.Gpu = allocator.STUDY_GPU
+    cards: tuple[float, ...] = DEFAULT_CARDS
+    margin: float = 0.05  # left free on every card, as params.yaml's memory.safety_margin
+
+
+def model_builder(
+    name: str, input: tuple[int, int, int], num_classes: int, checkpointing: bool
+) -> Callable[[], nn.Module]:
+    """A function that builds the model, untrained (no download); refused here, in one line, if it cannot be."""
+    if name.startswith("torchvision:"):
+        import torchvision
+
+        arch = name.removeprefix("torchvision:")
+        known = torchvision.models.list_models()
+        if arch not in known:
+            close = difflib.get_close_matches(arch, known, n=3)
+            raise Untraceable(f"{name}: not a torchvision model; close: {', '.join(close) or 'none'}")
+        if input[0] != 3:
+            raise Untraceable(f"{name}: torchvision's models take 3 input channels, not --input {fmt_input(input)}")
+        if checkpointing:
+            raise Untraceable(f"{name}: --checkpointing needs timm's set_grad_checkpointing; torchvision has none")
+        return lambda: torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    import timm
+
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=3)
+        raise Untraceable(f"{name}: not a timm model (or torchvision:NAME); close: {', '.join(close) or 'none'}")
+
+    def build() -> nn.Module:
+        kwargs: dict[str, Any] = {"pretrained": False, "in_chans": input[0], "num_classes": num_classes}
+        with contextlib.suppress(TypeError):  # a model of fixed input size (ViT) takes the input's
+            model = timm.create_model(name, img_size=input[1:], **kwargs)
+            return grad_checkpointing(model, name) if checkpointing else model
+        model = timm.create_model(name, **kwargs)
+        return grad_checkpointing(model, name) if checkpointing else model
+
+    return build
+
+
+def grad_checkpointing(model: nn.Module, name: str) -> nn.Module:
+    try:
+        model.set_grad_checkpointing(True)
+    except (AssertionError, NotImplementedError) as err:
+        raise Untraceable(
+            f"{name}: timm has no activation checkpointing for it ({err or type(err).__name__})"
+        ) from None
+    return model
+
+
+def fake_safe(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """`build` under fake tensors; a model whose construction reads a value (which a fake tensor has not) is built
+    for real on the CPU instead and its weights and buffers made fake in the trace's own mode."""
+
+    def make() -> nn.Module:
+        try:
+            return build()
+        except Untraceable:
+            raise
+        except Exception:  # a value read at construction: build it for real, then fake
+            with unset_fake_temporarily():
+                model = build()
+            mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+            for module in model.modules():
+                for key, p in module._parameters.items():
+                    if p is not None:
+                        module._parameters[key] = nn.Parameter(mode.from_tensor(p), p.requires_grad)
+                for key, b in module._buffers.items():
+                    if b is not None:
+                        module._buffers[key] = mode.from_tensor(b)
+            return model
+
+    return make
+
+
+def fmt_input(shape: tuple[int, int, int]) -> str:
+    return "x".join(map(str, shape))
+
+
+@dataclass
+class Engine:
+    """One model's step traced at the sizes a question needs, each trace made once: by micro-batch, whether a
+    window's gradients are held (accum > 1), checkpointing and precision. The study's variants (gradaccum.cards)
+    and any model (`answer`) go through it alike; `make` builds the step of each."""
+
+    name: str
+    batch: int  # the effective batch
+    make: Callable[[int, int, bool, str], trace.Step]  # (micro-batch, accum, checkpointing, amp) -> the step
+    checkpointing: bool = False  # the step's own
+    amp: str = "float16"
+    policy: str = autocast_policy.CUDA  # whose autocast rules: a GPU's, or the CPU's for the CPU scale
+    gpu: allocator.Gpu = allocator.STUDY_GPU
+    traces: dict[tuple[int, bool, bool, str], dict[str, Any]] = field(default_factory=dict)
+
+    def trace(
+        self, micro: int, accum: int, checkpointing: bool | None = None, amp: str | None = None
+    ) -> dict[str, Any]:
+        ckpt, amp = self.checkpointing if checkpointing is None else checkpointing, amp or self.amp
+        key = (micro, accum > 1, ckpt, amp)
+        if key not in self.traces:
+            try:
+                self.traces[key] = trace.trace_step(self.make(micro, accum, ckpt, amp), self.policy, self.gpu)
+            except BadInput:
+                raise
+            except Exception as err:  # one line naming the model and the reason, never a traceback
+                why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+                raise Untraceable(f"{self.name}: cannot be traced ({type(err).__name__}: {why})") from None
+        return self.traces[key]
+
+    def need(self, accum: int, checkpointing: bool | None = None, amp: str | None = None) -> float:
+        """The MiB a card must hold for the batch in `accum` micro-batches: nvidia-smi's predicted figure under
+        CUDA's rules, the live tensors' peak under the CPU's (trace.figure)."""
+        return trace.figure(self.trace(micro_batch_size(self.batch, accum), accum, checkpointing, amp))
+
+    def smallest_accum(self, usable: float, checkpointing: bool | None = None, amp: str | None = None) -> int | None:
+        """The fewest micro-batches whose traced step fits `usable` MiB; None if micro-batches of two samples do not
+        (one sample cannot train a BatchNorm model). Proposed by a line through two traced sizes (trace.peak_line's
+        reasoning: backward's part grows with the micro-batch), then traced itself and raised until it fits."""
+        batch = self.batch
+        if self.need(1, checkpointing, amp) <= usable:
+            return 1
+        low = min(2, batch)
+        smallest = math.ceil(batch / low)  # the accum of micro-batches of `low` samples
+        if smallest == 1 or self.need(smallest, checkpointing, amp) > usable:
+            return None
+        high = max(low + 1, batch // 2)
+        low_need, high_need = (trace.figure(self.trace(m, 2, checkpointing, amp)) for m in (low, high))
+        per_sample = (high_need - low_need) / (high - low)
+        line = Line(fixed_mib=low_need - per_sample * low, per_sample_mib=per_sample)
+        accum = max(2, planner.smallest_accum(line, usable, batch) or smallest)
+        while accum < smallest and self.need(accum, checkpointing, amp) > usable:
+            accum = next_accum(batch, accum)
+        return accum
+
+
+def question_engine(q: Question) -> Engine:
+    """The engine of a question's step: its model, fed a DataLoader's float32 batches, nothing resident."""
+    builders: dict[bool, Callable[[], nn.Module]] = {}
+
+    def make(micro: int, accum: int, checkpointing: bool, amp: str) -> trace.Step:
+        if checkpointing not in builders:
+            builders[checkpointing] = fake_safe(model_builder(q.model, q.input, q.num_classes, checkpointing))
+        return trace.Step(
+            builders[checkpointing], micro, accum, q.num_classes, AMP_DTYPES[amp], 0, q.input, "float32", q.optimizer,
+            q.channels_last,
+        )  # fmt: skip
+
+    return Engine(q.model, q.batch, make, q.checkpointing, q.amp, autocast_policy.CUDA, q.gpu)
+
+
+def spec_engine(spec: RunSpec) -> Engine:
+    """The engine of a study variant's step (a resolved RunSpec): its model, its resident data, its device's rules."""
+
+    def make(micro: int, accum: int, checkpointing: bool, amp: str) -> trace.Step:
+        step = trace.Step.of(spec.model_copy(update={"checkpointing": checkpointing}))
+        return replace(step, micro=micro, accum=accum, dtype=AMP_DTYPES[amp])
+
+    return Engine(spec.variant, spec.batch, make, spec.checkpointing, spec.amp, spec.device)
+
+
+def next_accum(batch: int, accum: int) -> int:
+    """The next accum up whose micro-batch is smaller (accum 5 and 6 of 8 share micro-batch 2)."""
+    micro = micro_batch_size(batch, accum)
+    return math.ceil(batch / (micro - 1)) if micro > 1 else batch
+
+
+def option(engine: Engine, accum: int | None, checkpointing: bool, amp: str) -> dict[str, Any] | None:
+    if accum is None:
+        return None
+    return {
+        "accum": accum,
+        "micro_batch": micro_batch_size(engine.batch, accum),
+        "checkpointing": checkpointing,
+        "amp": amp,
+        "nvidia_smi_mib": round(engine.need(accum, checkpointing, amp), 1),
+    }
+
+
+def answer(q: Question) -> dict[str, Any]:
+    """The prediction at the question's accum (1 when it leaves accum to this), and per card whether it fits, the
+    smallest accum that does, and what checkpointing or the other precision would need instead."""
+    engine = question_engine(q)
+    accum = q.accum or 1
+    row = engine.trace(micro_batch_size(q.batch, accum), accum, q.checkpointing, q.amp)
+    out: dict[str, Any] = {
+        "model": q.model,
+        "input": fmt_input(q.input),
+        "num_classes": q.num_classes,
+        "batch": q.batch,
+        "accum": accum,
+        "micro_batch": micro_batch_size(q.batch, accum),
+        "amp": q.amp,
+        "optimizer": q.optimizer,
+        "checkpointing": q.checkpointing,
+        "channels_last": q.channels_last,
+        "gpu": q.gpu.name,
+        "autocast_policy": row["autocast_policy"],
+        "tensors_mib": {kind: round(sum(row[k] for k in keys), 1) for kind, keys in KINDS.items()},
+        "allocated_mib": round(row["gpu_allocated_mib"], 1),
+        "reserved_mib": round(row["gpu_reserved_mib"], 1),
+        "nvidia_smi_mib": round(row["gpu_nvidia_smi_mib"], 1),
+        "context_mib": round(row["gpu_context_mib"], 1),
+        "cards": [],
+    }
+    other, torchvision = OTHER_PRECISION[q.amp], q.model.startswith("torchvision:")
+    for card in q.cards:
+        usable = card * planner.GIB_MIB * (1 - q.margin)
+        fits = row["gpu_nvidia_smi_mib"] <= usable
+        entry: dict[str, Any] = {"card_gb": card, "usable_mib": round(usable), "fits": fits}
+        smallest = accum if fits and q.accum else engine.smallest_accum(usable, q.checkpointing, q.amp)
+        entry["smallest_accum"] = option(engine, smallest, q.checkpointing, q.amp)
+        if not fits:  # what the other levers would need instead
+            if not (q.checkpointing or torchvision):  # torchvision's models have no checkpointing switch
+                entry["with_checkpointing"] = option(engine, engine.smallest_accum(usable, True, q.amp), True, q.amp)
+            entry["other_precision"] = option(
+                engine, engine.smallest_accum(usable, q.checkpointing, other), q.checkpointing, other
+            )
+        out["cards"].append(entry)
+    return out
+
+
+def option_text(o: dict[str, Any] | None, with_amp: bool = False) -> str:
+    if o is None:
+        return "does not fit even at micro-batch 2"
+    amp = f", {o['amp']}" if with_amp else ""
+    return f"accum {o['accum']} (micro-batch {o['micro_batch']}{amp}): {o['nvidia_smi_mib'] / 1024:.1f} GiB"
+
+
+def printout(a: dict[str, Any]) -> str:
+    """The answer for a reader: what was traced, its tensors by kind, the three predicted figures, each card."""
+    gib = {k: f"{v / 1024:.2f}" for k, v in a["tensors_mib"].items()}
+    lines = [
+        f"{a['model']}: input {a['input']}, {a['num_classes']} classes, batch {a['batch']} as {a['accum']} x "
+        f"{a['micro_batch']}, {a['amp']} autocast, {a['optimizer']}"
+        + (", activation checkpointing" if a["checkpointing"] else "")
+        + (", channels-last" if a["channels_last"] else "")
+        + f"; on {a['gpu']}, under {a['autocast_policy']}",
+        "traced tensors at the step's peak (GiB): " + ", ".join(f"{k} {v}" for k, v in gib.items()),
+        f"predicted: torch.cuda.max_memory_allocated {a['allocated_mib'] / 1024:.2f} GiB, max_memory_reserved "
+        f"{a['reserved_mib'] / 1024:.2f} GiB, nvidia-smi {a['nvidia_smi_mib'] / 1024:.2f} GiB (with an assumed "
+        f"{a['context_mib']:.0f} MiB CUDA context)",
+        "",
+    ]
+    for c in a["cards"]:
+        head = f"{c['card_gb']:g} GB card ({c['usable_mib']} MiB usable): "
+        if c["fits"]:
+            lines.append(head + f"fits; smallest accum: {option_text(c['smallest_accum'])}")
+            continue
+        lever = c["with_checkpointing"]
+        lines.append(
+            head
+            + f"does not fit at accum {a['accum']}; smallest accum: {option_text(c['smallest_accum'])}; "
+            + (
+                f"with checkpointing: {option_text(lever)}; "
+                if "with_checkpointing" in c and lever is not False
+                else ""
+            )
+            + f"in the other precision: {option_text(c['other_precision'], with_amp=True)}"
+        )
+    return "\n".join(lines)
+
+
+def shape(text: str) -> tuple[int, int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not CxHxW, e.g. 3x224x224")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="a timm model name, or torchvision:NAME")
+    parser.add_argument("--input", type=shape, default=(1, 28, 28), metavar="CxHxW", help="default: 1x28x28")
+    parser.add_argument("--num-classes", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=256, help="the effective batch (samples per optimizer step)")
+    parser.add_argument("--accum", type=int, help="micro-batches per step (default: the smallest that fits each card)")
+    parser.add_argument("--amp", choices=list(AMP_DTYPES), default="float16")
+    parser.add_argument("--optimizer", choices=list(trace.OPTIMIZERS), default="adamw")
+    parser.add_argument("--checkpointing", action="store_true", help="timm's activation checkpointing")
+    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--gpu", choices=list(allocator.GPUS), default="h100")
+    parser.add_argument("--cards", type=float, nargs="+", metavar="GB", help="default: the --gpu's size, or 8 to 80")
+    parser.add_argument("--margin", type=float, default=0.05, help="left free on every card (default 0.05)")
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+    args = parser.parse_args(argv)
+    for name, value, ok in (
+        ("--batch", args.batch, args.batch >= 1),
+        ("--num-classes", args.num_classes, args.num_classes >= 1),
+        ("--accum", args.accum, args.accum is None or 1 <= args.accum <= args.batch),
+        ("--margin", args.margin, 0 <= args.margin < 1),
+        ("--cards", args.cards, not args.cards or all(c > 0 for c in args.cards)),
+    ):
+        if not ok:
+            parser.error(f"{name} {value} is not allowed: see --help")
+    gpu = allocator.GPUS[args.gpu]
+    cards = tuple(args.cards) if args.cards else ((gpu.memory_gib,) if "--gpu" in (argv or sys.argv) else DEFAULT_CARDS)
+    q = Question(
+        args.model, args.input, args.num_classes, args.batch, args.accum, args.amp, args.optimizer,
+        args.checkpointing, args.channels_last, gpu, cards, args.margin,
+    )  # fmt: skip
+    try:
+        a = answer(q)
+    except BadInput as err:
+        refuse(err)
+    print(json.dumps(a, indent=1) if args.json else printout(a))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""`python -m gradaccum.fit MODEL`: will a training step of any model fit a card, traced without a GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+from torch import nn
+
+from gradaccum import allocator, autocast_policy, fit, trace
+from gradaccum.accumulation import micro_batch_size
+from gradaccum.refusal import REFUSED
+
+MIB = 2**20
+
+
+def linear(inputs: int = 3 * 8 * 8) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(inputs, 10, bias=False))
+
+
+def test_a_dataloaders_batch_arrives_each_step_as_float32_of_the_inputs_shape() -> None:
+    """A linear model, float32, SGD: weights, gradients, the float32 batch (the layer saves it) and the logits."""
+    step = trace.Step(linear, 512, 1, 10, None, 0, (3, 8, 8), "float32", "sgd")
+    r = trace.trace_step(step)
+    weights = 3 * 8 * 8 * 10 * 4 / MIB
+    batch = 512 * 3 * 8 * 8 * 4 / MIB
+    assert r["parameters_mib"] == pytest.approx(weights) and r["optimizer_mib"] == 0  # plain SGD keeps no state
+    assert r["data_mib"] == 0  # nothing resident
+    assert r["activations_mib"] + r["temporaries_mib"] >= batch  # the batch itself is live through backward
+    momentum = trace.trace_step(replace(step, optimizer="sgd-momentum"))
+    assert momentum["optimizer_mib"] == pytest.approx(weights)  # one buffer per parameter
+    adam = trace.trace_step(replace(step, optimizer="adam"))
+    assert adam["optimizer_mib"] == pytest.approx(2 * weights, rel=0.01)  # two moments (and a step count)
+
+
+def test_the_answer_has_every_figure_and_a_card_answer_that_fits_its_own_trace() -> None:
+    q = fit.Question("test_resnet", (3, 32, 32), 10, batch=64, cards=(0.55, 80.0), margin=0.0)
+    a = fit.answer(q)
+    assert {"allocated_mib", "reserved_mib", "nvidia_smi_mib", "tensors_mib", "cards"} <= set(a)
+    assert a["allocated_mib"] <= a["reserved_mib"] < a["nvidia_smi_mib"]
+    assert a["nvidia_smi_mib"] == pytest.approx(a["reserved_mib"] + allocator.CUDA_CONTEXT / MIB, abs=0.1)
+    assert set(a["tensors_mib"]) >= {"weights", "gradients", "optimizer state", "activations", "temporaries"}
+    small, large = a["cards"]
+    assert large["fits"] and large["smallest_accum"]["accum"] == 1
+    assert not small["fits"]  # 563 MiB usable: the context alone takes 500
+    best = small["smallest_accum"]
+    if best is not None:  # the suggested accum was traced itself, and the one below it does not fit
+        assert best["nvidia_smi_mib"] <= small["usable_mib"] and best["accum"] > 1
+        engine = fit.question_engine(q)
+        below = micro_batch_size(64, best["accum"]) + 1
+        assert engine.trace(below, 2)["gpu_nvidia_smi_mib"] > small["usable_mib"] or below > 64
+    assert (
+        "with_checkpointing" in small
+        and small["other_precision"] is None
+        or small["other_precision"]["amp"] == "float32"
+    )
+
+
+def test_the_smallest_accum_is_traced_and_raised_until_it_fits() -> None:
+    """A line proposes, the trace decides: the answer's own trace fits, the next smaller accum's does not."""
+    q = fit.Question("test_efficientnet", (3, 64, 64), 10, batch=256)
+    engine = fit.question_engine(q)
+    whole = engine.need(1)
+    usable = (whole + allocator.CUDA_CONTEXT / MIB) / 2  # about half of what the whole batch needs, context kept
+    accum = engine.smallest_accum(usable)
+    assert accum is not None and 1 < accum < 256
+    assert engine.need(accum) <= usable
+    smaller = accum - 1
+    assert micro_batch_size(256, smaller) == micro_batch_size(256, accum) or engine.need(smaller) > usable
+
+
+def test_the_gpu_sets_the_cublas_workspace_and_the_card() -> None:
+    q = fit.Question("test_resnet", (3, 32, 32), 10, batch=16, cards=(80.0,))
+    h100 = fit.answer(q)
+    a100 = fit.answer(replace(q, gpu=allocator.GPUS["a100-40gb"]))
+    workspaces = allocator.CUBLAS_WORKSPACES * (allocator.CUBLAS_WORKSPACE - allocator.CUBLAS_WORKSPACE_BEFORE_SM90)
+    assert h100["allocated_mib"] - a100["allocated_mib"] == pytest.approx(workspaces / MIB, abs=0.1)
+    assert a100["gpu"].startswith("A100 40GB")
+
+
+def test_a_model_that_reads_values_while_built_is_built_for_real_then_made_fake() -> None:
+    """torchvision's vit_b_16 cannot be built under fake tensors; its weights are real, then faked: 86.6 M of them."""
+    a = fit.answer(fit.Question("torchvision:vit_b_16", (3, 224, 224), 1000, batch=2, cards=(80.0,)))
+    assert a["tensors_mib"]["weights"] == pytest.approx(86_567_656 * 4 / MIB, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["no_such_model_xyz"], "no_such_model_xyz: not a timm model"),
+        (["torchvision:resnet18"], "torchvision's models take 3 input channels, not --input 1x28x28"),
+        (["torchvision:resnet18", "--input", "3x32x32", "--checkpointing"], "torchvision has none"),
+        (["test_vit", "--input", "3x4x4", "--batch", "2"], "test_vit: cannot be traced (AssertionError: Input height"),
+    ],
+)
+def test_a_model_that_cannot_be_traced_is_refused_in_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        fit.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == REFUSED and message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_json_is_one_object_and_the_text_names_each_card(capsys: pytest.CaptureFixture[str]) -> None:
+    fit.main(["test_resnet", "--input", "3x32x32", "--batch", "32", "--cards", "0.55", "80", "--json"])
+    a = json.loads(capsys.readouterr().out)
+    assert [c["card_gb"] for c in a["cards"]] == [0.55, 80.0] and a["cards"][1]["fits"]
+    argv = ["--cards", "80", "--optimizer", "sgd", "--amp", "bfloat16", "--channels-last"]
+    fit.main(["test_resnet", "--input", "3x32x32", "--batch", "32", *argv])
+    out = capsys.readouterr().out
+    assert "80 GB card" in out and "fits" in out and "max_memory_allocated" in out
+    assert "bfloat16 autocast, sgd, channels-last" in out
+
+
+def test_bad_options_are_refused_by_name() -> None:
+    with pytest.raises(SystemExit):
+        fit.main(["test_resnet", "--input", "224x224"])
+    with pytest.raises(SystemExit):
+        fit.main(["test_resnet", "--accum", "0"])
+
+
+def test_the_studys_step_and_a_questions_step_share_the_engine() -> None:
+    """gradaccum.cards answers through fit.spec_engine: the same Engine, its step built from the variant's spec."""
+    from gradaccum import params
+
+    p = params.load()
+    spec = trace.traced_spec(p, "accumulation", "cpu")
+    engine = fit.spec_engine(spec)
+    assert engine.policy == autocast_policy.CPU and engine.batch == spec.batch
+    row = trace.trace_variant(p, "accumulation", "cpu")
+    assert engine.trace(spec.micro_batch, spec.accum)["peak_mib"] == row["peak_mib"]
+    assert math.isfinite(engine.need(spec.accum))
