@@ -133,3 +133,12 @@ def test_the_studys_step_and_a_questions_step_share_the_engine() -> None:
     row = trace.trace_variant(p, "accumulation", "cpu")
     assert engine.trace(spec.micro_batch, spec.accum)["peak_mib"] == row["peak_mib"]
     assert math.isfinite(engine.need(spec.accum))
+
+
+def test_every_validation_row_names_its_source_and_a_figure_fit_predicts() -> None:
+    """benchmarks/validate.py re-derives docs/validation.md: each row a published figure with its setup."""
+    from benchmarks import validate
+
+    assert all(row.source and row.measured in validate.FIGURE and row.mib > 0 for row in validate.ROWS)
+    tiny = next(row for row in validate.ROWS if row.model == "deit_tiny_patch16_224")
+    assert validate.predict(tiny) == pytest.approx(3343, abs=1)  # the row docs/validation.md shows
