@@ -272,7 +272,7 @@ def answer(q: Question) -> dict[str, Any]:
         usable = card * planner.GIB_MIB * (1 - q.margin)
         fits = row["gpu_nvidia_smi_mib"] <= usable
         entry: dict[str, Any] = {"card_gb": card, "usable_mib": round(usable), "fits": fits}
-        smallest = accum if fits and q.accum else engine.smallest_accum(usable, q.checkpointing, q.amp)
+        smallest = engine.smallest_accum(usable, q.checkpointing, q.amp)  # fewer than --accum may fit too
         entry["smallest_accum"] = option(engine, smallest, q.checkpointing, q.amp)
         if not fits:  # what the other levers would need instead
             if not (q.checkpointing or torchvision):  # torchvision's models have no checkpointing switch
@@ -311,15 +311,10 @@ def printout(a: dict[str, Any]) -> str:
         if c["fits"]:
             lines.append(head + f"fits; smallest accum: {option_text(c['smallest_accum'])}")
             continue
-        lever = c["with_checkpointing"]
         lines.append(
             head
             + f"does not fit at accum {a['accum']}; smallest accum: {option_text(c['smallest_accum'])}; "
-            + (
-                f"with checkpointing: {option_text(lever)}; "
-                if "with_checkpointing" in c and lever is not False
-                else ""
-            )
+            + (f"with checkpointing: {option_text(c['with_checkpointing'])}; " if "with_checkpointing" in c else "")
             + f"in the other precision: {option_text(c['other_precision'], with_amp=True)}"
         )
     return "\n".join(lines)

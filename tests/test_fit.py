@@ -142,3 +142,18 @@ def test_every_validation_row_names_its_source_and_a_figure_fit_predicts() -> No
     assert all(row.source and row.measured in validate.FIGURE and row.mib > 0 for row in validate.ROWS)
     tiny = next(row for row in validate.ROWS if row.model == "deit_tiny_patch16_224")
     assert validate.predict(tiny) == pytest.approx(3343, abs=1)  # the row docs/validation.md shows
+
+
+def test_a_model_without_checkpointing_that_does_not_fit_is_answered_without_that_lever(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """torchvision has no checkpointing switch: a card it does not fit gets the other answers, and no crash."""
+    fit.main(["torchvision:resnet18", "--input", "3x32x32", "--batch", "64", "--cards", "0.5"])
+    out = capsys.readouterr().out
+    assert "0.5 GB card" in out and "does not fit at accum 1" in out and "with checkpointing" not in out
+
+
+def test_the_smallest_accum_is_the_smallest_even_when_a_larger_one_was_asked() -> None:
+    q = fit.Question("test_resnet", (3, 32, 32), 10, batch=64, accum=8, cards=(80.0,))
+    (card,) = fit.answer(q)["cards"]
+    assert card["fits"] and card["smallest_accum"]["accum"] == 1
