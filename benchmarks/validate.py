@@ -1,6 +1,7 @@
 """gradaccum.fit's predictions against published measurements of real GPU training steps (docs/validation.md).
 
-    python -m benchmarks.validate
+    python -m benchmarks.validate            # every row, then the summary by what was measured
+    python -m benchmarks.validate --write docs/validation.json   # and the rows and summary the report shows
 
 Every row is a figure someone measured and published, with the setup they state; the prediction is made here at
 that setup, on fake tensors, and printed beside it with the ratio. Nothing is fitted to these figures: where a row
@@ -9,17 +10,27 @@ misses, docs/validation.md says what is known of why.
 
 from __future__ import annotations
 
+import argparse
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import timm.layers
 
-from gradaccum import fit
+from gradaccum import allocator, fit, outputs, params, trace
+from gradaccum.report.traced import GOALS
+from gradaccum.tutorial import CLAIMS
 
 MESA = (
     "ziplab/Mesa README.md, 'Results on ImageNet' (Pan et al., arXiv:2111.11124): train memory at batch 128, "
     "224x224, one GPU; DeiT's training script (AMP autocast float16, AdamW), PyTorch 1.7.1, CUDA 10.1"
 )
+MILABENCH = (
+    "mila-iqia/milabench config/scaling/H100.yaml at dc0617d1 (March 2025, PyTorch 2.6): the largest nvidia-smi "
+    "memory.used polled during a run of benchmarks/torchvision/main.py (SGD, GradScaler, the batch cast to the "
+    "autocast dtype on its way to the GPU) on one H100 80GB"
+)
+TUTORIAL = "the tutorial this study reproduces: nvidia-smi, 'about' figures, read as GiB (docs/memory.md)"
 
 
 @dataclass(frozen=True)
@@ -27,7 +38,7 @@ class Published:
     """One published measurement and the setup its source states."""
 
     source: str
-    model: str  # as gradaccum.fit takes it
+    model: str  # as gradaccum.fit takes it; study:ROLE for the tutorial's own step (params.yaml's roles)
     batch: int
     measured: str  # allocated, reserved or nvidia-smi
     mib: float
@@ -35,48 +46,104 @@ class Published:
     num_classes: int = 1000
     amp: str = "float16"
     optimizer: str = "adamw"
-    fused_attention: bool = False  # torch before 2.0 had no scaled_dot_product_attention: the maps are kept
+    channels_last: bool = False
+    input_dtype: str = "float32"
+    torch_version: str = "2.14.1"  # the torch that measured it: its autocast lists and zero_grad, as modelled
+    fused_attention: bool = True  # torch before 2.0 had no scaled_dot_product_attention: the maps were kept
+    gpu: str = "h100"
+
+
+def mesa(model: str, mib: float) -> Published:
+    return Published(MESA, model, 128, "allocated", mib, torch_version="1.7.1", fused_attention=False)
+
+
+def milabench(model: str, batch: int, amp: str, mib: float, channels_last: bool = False) -> Published:
+    dtype = "float32" if amp == "float32" else amp
+    return Published(MILABENCH, model, batch, "nvidia-smi", mib, amp=amp, optimizer="sgd",
+                     channels_last=channels_last, input_dtype=dtype, torch_version="2.6.0")  # fmt: skip
 
 
 ROWS = (
-    Published(MESA, "deit_tiny_patch16_224", 128, "allocated", 4171),
-    Published(MESA, "deit_small_patch16_224", 128, "allocated", 8459),
-    Published(MESA, "deit_base_patch16_224", 128, "allocated", 17691),
-    Published(MESA, "swin_tiny_patch4_window7_224", 128, "allocated", 11812),
+    mesa("deit_tiny_patch16_224", 4171),
+    mesa("deit_small_patch16_224", 8459),
+    mesa("deit_base_patch16_224", 17691),
+    mesa("swin_tiny_patch4_window7_224", 11812),
+    # milabench's two smallest and the largest batch under 60 GB of each: a full card may have freed its cache
+    milabench("torchvision:convnext_large", 64, "float32", 24989),
+    milabench("torchvision:convnext_large", 144, "float32", 53069),
+    milabench("torchvision:convnext_large", 64, "float16", 15089),
+    milabench("torchvision:convnext_large", 256, "float16", 51665),
+    milabench("torchvision:resnet50", 128, "float16", 7669, channels_last=True),
+    milabench("torchvision:resnet50", 512, "float16", 25839, channels_last=True),
+    milabench("torchvision:regnet_y_128gf", 32, "float16", 17835),
+    milabench("torchvision:regnet_y_128gf", 128, "float16", 53581),
+    Published(TUTORIAL, "study:baseline", CLAIMS["batch"], "nvidia-smi", CLAIMS["baseline_gb"] * 1024),
+    Published(TUTORIAL, "study:tutorial_code", CLAIMS["batch"], "nvidia-smi", CLAIMS["accumulation_gb"] * 1024),
 )
 FIGURE = {"allocated": "allocated_mib", "reserved": "reserved_mib", "nvidia-smi": "nvidia_smi_mib"}
-GOALS = {"allocated": 0.03, "reserved": 0.10, "nvidia-smi": 0.10}
 
 
 def predict(row: Published) -> float:
     """The row's measured figure as gradaccum.fit predicts it at the row's setup."""
+    if row.model.startswith("study:"):  # the study's own trace of the tutorial's step, at the tutorial's settings
+        p = params.load()
+        variant = getattr(p.roles, row.model.removeprefix("study:"))
+        r = trace.trace_variant(trace.tutorial_settings(p), variant, "study")
+        return r["gpu_" + FIGURE[row.measured]]
     before = timm.layers.use_fused_attn()
     timm.layers.set_fused_attn(row.fused_attention)  # read by timm's attention layers when they are built
     try:
-        q = fit.Question(row.model, row.input, row.num_classes, row.batch, 1, row.amp, row.optimizer, cards=(80.0,))
+        q = fit.Question(
+            row.model, row.input, row.num_classes, row.batch, 1, row.amp, row.optimizer, False, row.channels_last,
+            row.input_dtype, row.torch_version, allocator.GPUS[row.gpu], cards=(80.0,),
+        )  # fmt: skip
         return fit.answer(q)[FIGURE[row.measured]]
     finally:
         timm.layers.set_fused_attn(before)
 
 
 def main() -> None:
-    ratios: dict[str, list[float]] = {}
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--write",
+        type=Path,
+        metavar="JSON",
+        help="write the rows and summary there (docs/validation.json: the report's)",
+    )
+    args = parser.parse_args()
+    rows = []
     for row in ROWS:
         predicted = predict(row)
-        ratio = predicted / row.mib
-        ratios.setdefault(row.measured, []).append(ratio)
+        rows.append(asdict(row) | {"predicted_mib": round(predicted, 1), "ratio": round(predicted / row.mib, 3)})
         print(
             f"{row.model}, batch {row.batch}, {row.amp}, {row.optimizer}: {row.measured} published {row.mib:.0f} MiB, "
-            f"predicted {predicted:.0f} MiB, predicted / published {ratio:.3f}",
+            f"predicted {predicted:.0f} MiB, predicted / published {predicted / row.mib:.3f}",
             flush=True,
         )
-    sources = len({row.source for row in ROWS})
-    for measured, values in ratios.items():
-        within = sum(abs(r - 1) <= GOALS[measured] for r in values)
+    summary = []
+    for measured, goal in GOALS.items():
+        ratios = [r["ratio"] for r in rows if r["measured"] == measured]
+        if not ratios:
+            continue
+        line = {
+            "measured": measured,
+            "rows": len(ratios),
+            "sources": len({r["source"] for r in rows if r["measured"] == measured}),
+            "goal": goal,
+            "within_goal": sum(abs(x - 1) <= goal for x in ratios),
+            "median_ratio": round(statistics.median(ratios), 3),
+            "min_ratio": min(ratios),
+            "max_ratio": max(ratios),
+        }
+        summary.append(line)
         print(
-            f"{measured}: {len(values)} rows from {sources} source(s); {within} within {GOALS[measured]:.0%}; "
-            f"predicted / published median {statistics.median(values):.3f} ({min(values):.3f} to {max(values):.3f})"
+            f"{measured}: {line['rows']} rows from {line['sources']} source(s); {line['within_goal']} within "
+            f"{goal:.0%}; predicted / published median {line['median_ratio']:.3f} ({line['min_ratio']:.3f} to "
+            f"{line['max_ratio']:.3f})"
         )
+    if args.write:
+        command = f"python -m benchmarks.validate --write {args.write}"
+        outputs.write_json(args.write, {"command": command, "summary": summary, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ not list falls through, as on a GPU.
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,6 +70,15 @@ BANNED = ("binary_cross_entropy",)  # autocast_mode.cpp: binary_cross_entropy_ba
 # reaches them; linalg_matrix_sqrth's policy is not in the header, so a model that calls it is refused.
 CUDA_ONLY = ("_cudnn_rnn", "cudnn_convolution", "cudnn_convolution_transpose")
 UNKNOWN = ("linalg_matrix_sqrth",)
+# Ops an older torch's CUDA autocast cast to float32 that the lists above do not, and the release that stopped:
+# torch 1.6 to 1.9's autocast_mode.cpp has `KERNEL(ADD_NS(gelu), "gelu", ..., fp32)`; pytorch/pytorch#59639
+# (June 2021, after 1.9 had branched) took it out. Only these differences are modelled for an older torch.
+FP32_UNTIL = {"gelu": "1.10"}
+# Ops whose backward an older torch fed their input as well as their output, so autograd kept the input until
+# then: _softmax_backward_data took `self` (pytorch/pytorch#49600) until #65242 (September 2021, after 1.10 had
+# branched) passed its dtype instead. On CUDA, float16 in and float32 out, the input kept was the float16 one.
+SAVES_INPUT_UNTIL = {"softmax.int": "1.11", "log_softmax.int": "1.11"}
+BACKWARD = {"softmax.int": "_softmax_backward_data", "log_softmax.int": "_log_softmax_backward_data"}
 
 POLICIES = {
     **dict.fromkeys(LOWER_PRECISION_FP, "lower_precision_fp"),
@@ -159,8 +169,27 @@ def _promote_type(args: tuple, kwargs: dict, lower: torch.dtype) -> torch.dtype:
     return lower
 
 
-def _kernel(name: str, policy: str) -> Any:
-    """The AutocastCPU kernel that casts as CUDA's `policy` does, then runs the op with autocast off."""
+class _KeepsInput(torch.autograd.Function):
+    """softmax or log_softmax as an older torch's autograd saw it: holding the input as well as the output until
+    its backward ran (SAVES_INPUT_UNTIL); the gradient is the one the current kernel computes."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, name: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        out = _overload(name)(x, dim, dtype=dtype)
+        ctx.save_for_backward(x, out)
+        ctx.name, ctx.dim = name, dim
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, out = ctx.saved_tensors  # the CPU kernel has no float32-to-float16 backward: it casts after, as the
+        grad_x = getattr(torch.ops.aten, BACKWARD[ctx.name])(grad, out, ctx.dim, out.dtype)  # emulation does anyway
+        return grad_x.to(x.dtype), None, None, None
+
+
+def _kernel(name: str, policy: str, keeps_input: bool = False) -> Any:
+    """The AutocastCPU kernel that casts as CUDA's `policy` does, then runs the op with autocast off;
+    `keeps_input`: autograd keeps its input until backward, as an older torch's did (softmax's)."""
     op = _overload(name)
     no_autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
@@ -175,6 +204,9 @@ def _kernel(name: str, policy: str) -> Any:
                 to = _promote_type(args, kwargs, lower)
                 return op(*_cast(args, to), **{k: _cast(v, to) for k, v in kwargs.items()})
             if policy == "fp32_set_opt_dtype":
+                given = args[2] if len(args) > 2 else kwargs.get("dtype")
+                if keeps_input and _eligible(args[0]) and given is None:
+                    return _KeepsInput.apply(args[0], name, args[1], torch.float32)
                 if _eligible(args[0]):
                     return op(*args, **_with_dtype(op, args, kwargs, torch.float32))
                 return op(*args, **kwargs)
@@ -203,9 +235,38 @@ def _overload(name: str) -> torch._ops.OpOverload:
     return getattr(getattr(torch.ops.aten, packet), overload or "default")
 
 
+def fp32_before(version: str) -> tuple[str, ...]:
+    """The ops that torch `version`'s CUDA autocast casts to float32 beyond the lists here (FP32_UNTIL)."""
+    if not re.fullmatch(r"\d+(\.\d+)*", version):
+        raise BadInput(f"autocast of torch {version!r}: not a release such as 1.7.1")
+    if release(version) > release(PINNED_TORCH):
+        raise BadInput(f"autocast of torch {version}: only torch {PINNED_TORCH}'s lists and older ones are known")
+    return tuple(op for op, until in FP32_UNTIL.items() if release(version) < release(until))
+
+
+def keeps_input(version: str) -> tuple[str, ...]:
+    """The ops whose input torch `version`'s autograd kept until their backward (SAVES_INPUT_UNTIL)."""
+    fp32_before(version)  # the same check of the version
+    return tuple(op for op, until in SAVES_INPUT_UNTIL.items() if release(version) < release(until))
+
+
+def older_rules(version: str) -> str:
+    """How torch `version`'s CUDA autocast step differs from the pinned lists, as far as modelled; "" for none."""
+    fp32, kept = fp32_before(version), keeps_input(version)
+    parts = [f"{', '.join(fp32)} in float32"] if fp32 else []
+    parts += [f"{' and '.join(op.partition('.')[0] for op in kept)} keeping their input for backward"] if kept else []
+    return "; ".join(parts)
+
+
+def release(version: str) -> tuple[int, ...]:
+    """A torch release as numbers, to compare: "1.10" after "1.9"."""
+    return tuple(int(part) for part in version.split("."))
+
+
 @contextlib.contextmanager
-def cuda_policy() -> Iterator[Difference]:
+def cuda_policy(version: str = PINNED_TORCH) -> Iterator[Difference]:
     """Inside: CPU autocast casts as CUDA autocast does, op by op. Outside again: the CPU's own policy.
+    `version`: an older torch's CUDA autocast, as far as FP32_UNTIL knows how it differed.
 
     Every op CUDA lists gets a kernel casting as CUDA's; every op only the CPU lists (cat, stack,
     cross_entropy_loss, the 3-d pools, ...) falls through to its decomposition, as it does on a GPU. On a torch
@@ -219,8 +280,11 @@ def cuda_policy() -> Iterator[Difference]:
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
             for name, policy in POLICIES.items():
                 if name not in CUDA_ONLY and name not in diff.gone:
-                    lib.impl(name, _kernel(name, policy), "AutocastCPU")
-            for name in registered("AutocastCPU") - set(POLICIES) - set(diff.new):
+                    lib.impl(name, _kernel(name, policy, name in keeps_input(version)), "AutocastCPU")
+            older = fp32_before(version)
+            for name in older:
+                lib.impl(name, _kernel(name, "fp32"), "AutocastCPU")
+            for name in registered("AutocastCPU") - set(POLICIES) - set(diff.new) - set(older):
                 lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
             for name in (*diff.gone, *diff.new):
                 with contextlib.suppress(AttributeError, RuntimeError):  # an op this torch does not have at all

@@ -45,6 +45,7 @@ KINDS = {  # the trace's kinds -> what the printout calls them
     "other (resident data)": ("data_mib",),  # the input batch is an activation: the first layer saves it
 }
 DEFAULT_CARDS = (8.0, 12.0, 16.0, 24.0, 40.0, 80.0)
+INPUT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class Untraceable(BadInput):
@@ -64,6 +65,8 @@ class Question:
     optimizer: str = "adamw"
     checkpointing: bool = False
     channels_last: bool = False
+    input_dtype: str = "float32"  # as the batch reaches the device: a loop's .to(device, dtype) may cast it
+    torch_version: str = autocast_policy.PINNED_TORCH  # an older torch's autocast lists and zero_grad (trace.Step)
     gpu: allocator.Gpu = allocator.STUDY_GPU
     cards: tuple[float, ...] = DEFAULT_CARDS
     margin: float = 0.05  # left free on every card, as params.yaml's memory.safety_margin
@@ -199,15 +202,15 @@ class Engine:
 
 
 def question_engine(q: Question) -> Engine:
-    """The engine of a question's step: its model, fed a DataLoader's float32 batches, nothing resident."""
+    """The engine of a question's step: its model, fed a DataLoader's batches, nothing resident."""
     builders: dict[bool, Callable[[], nn.Module]] = {}
 
     def make(micro: int, accum: int, checkpointing: bool, amp: str) -> trace.Step:
         if checkpointing not in builders:
             builders[checkpointing] = fake_safe(model_builder(q.model, q.input, q.num_classes, checkpointing))
         return trace.Step(
-            builders[checkpointing], micro, accum, q.num_classes, AMP_DTYPES[amp], 0, q.input, "float32", q.optimizer,
-            q.channels_last,
+            builders[checkpointing], micro, accum, q.num_classes, AMP_DTYPES[amp], 0, q.input, q.input_dtype,
+            q.optimizer, q.channels_last, q.torch_version,
         )  # fmt: skip
 
     return Engine(q.model, q.batch, make, q.checkpointing, q.amp, autocast_policy.CUDA, q.gpu)
@@ -258,6 +261,7 @@ def answer(q: Question) -> dict[str, Any]:
         "optimizer": q.optimizer,
         "checkpointing": q.checkpointing,
         "channels_last": q.channels_last,
+        "input_dtype": q.input_dtype,
         "gpu": q.gpu.name,
         "autocast_policy": row["autocast_policy"],
         "tensors_mib": {kind: round(sum(row[k] for k in keys), 1) for kind, keys in KINDS.items()},
@@ -299,6 +303,7 @@ def printout(a: dict[str, Any]) -> str:
         f"{a['micro_batch']}, {a['amp']} autocast, {a['optimizer']}"
         + (", activation checkpointing" if a["checkpointing"] else "")
         + (", channels-last" if a["channels_last"] else "")
+        + (f", the batch arriving as {a['input_dtype']}" if a["input_dtype"] != "float32" else "")
         + f"; on {a['gpu']}, under {a['autocast_policy']}",
         "traced tensors at the step's peak (GiB): " + ", ".join(f"{k} {v}" for k, v in gib.items()),
         f"predicted: torch.cuda.max_memory_allocated {a['allocated_mib'] / 1024:.2f} GiB, max_memory_reserved "
@@ -338,6 +343,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizer", choices=list(trace.OPTIMIZERS), default="adamw")
     parser.add_argument("--checkpointing", action="store_true", help="timm's activation checkpointing")
     parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument(
+        "--input-dtype", choices=INPUT_DTYPES, default="float32", help="as the batch reaches the GPU (default float32)"
+    )
+    parser.add_argument(
+        "--torch",
+        dest="torch_version",
+        default=autocast_policy.PINNED_TORCH,
+        metavar="VERSION",
+        help=f"the torch the step runs on, if older than {autocast_policy.PINNED_TORCH}: before 1.10 CUDA autocast ran "
+        "gelu in float32, before 2.0 zero_grad kept the gradients",
+    )
     parser.add_argument("--gpu", choices=list(allocator.GPUS), default="h100")
     parser.add_argument("--cards", type=float, nargs="+", metavar="GB", help="default: the --gpu's size, or 8 to 80")
     parser.add_argument("--margin", type=float, default=0.05, help="left free on every card (default 0.05)")
@@ -356,9 +372,10 @@ def main(argv: list[str] | None = None) -> None:
     cards = tuple(args.cards) if args.cards else ((gpu.memory_gib,) if "--gpu" in (argv or sys.argv) else DEFAULT_CARDS)
     q = Question(
         args.model, args.input, args.num_classes, args.batch, args.accum, args.amp, args.optimizer,
-        args.checkpointing, args.channels_last, gpu, cards, args.margin,
+        args.checkpointing, args.channels_last, args.input_dtype, args.torch_version, gpu, cards, args.margin,
     )  # fmt: skip
     try:
+        autocast_policy.fp32_before(q.torch_version)
         a = answer(q)
     except BadInput as err:
         refuse(err)

@@ -90,11 +90,11 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {  # what a step's
 
 
 def steady_optimizer(
-    model: nn.Module, accum: int, policy: str = autocast_policy.CPU, kind: str = "adamw"
+    model: nn.Module, accum: int, policy: str = autocast_policy.CPU, kind: str = "adamw", set_to_none: bool = True
 ) -> torch.optim.Optimizer:
     """The optimizer as every micro-batch after the first step finds it: its state made (AdamW's two moments, SGD's
     momentum), and with accum > 1 the window's gradients held (accum 1 frees them after each step:
-    zero_grad(set_to_none=True)).
+    zero_grad(set_to_none=True), unless an older torch's zero_grad kept them).
 
     Under CUDA's rules, the foreach implementation, PyTorch's default for CUDA parameters: its step holds
     whole lists of parameter-sized temporaries, where the CPU's default (which fake CPU tensors would get)
@@ -104,7 +104,7 @@ def steady_optimizer(
         p.grad = torch.zeros_like(p)
     opt.step()
     if accum == 1:
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=set_to_none)
     return opt
 
 
@@ -114,8 +114,10 @@ class Step:
     dtype, and what the input is.
 
     The study's input (`arrives="uint8"`): 28x28 digits indexed from a uint8 dataset of which `resident` images stay
-    on the device, normalised there. A DataLoader's (`arrives="float32"`): a normalised float32 batch of `input`'s
-    shape, copied to the device each step, nothing resident.
+    on the device, normalised there. A DataLoader's (`arrives="float32"`, or "float16"/"bfloat16" for a loop that
+    casts the batch as it copies it, `.to(device, dtype)`): a normalised batch of `input`'s shape, copied to the
+    device each step, nothing resident. `torch_version` is the torch whose defaults the step follows, for a
+    measurement made on an older one: its CUDA autocast lists (autocast_policy.cuda_policy) and its zero_grad.
     """
 
     build: Callable[[], nn.Module]
@@ -128,6 +130,13 @@ class Step:
     arrives: str = "uint8"
     optimizer: str = "adamw"
     channels_last: bool = False
+    torch_version: str = autocast_policy.PINNED_TORCH
+
+    @property
+    def set_to_none(self) -> bool:
+        """zero_grad()'s default: from torch 2.0 it frees the gradients; before, it zeroed them and kept them
+        allocated through the next forward and backward (pytorch/pytorch#92731)."""
+        return autocast_policy.release(self.torch_version) >= (2, 0)
 
     @classmethod
     def of(cls, spec: RunSpec, fast_norm: bool = False) -> Step:
@@ -149,13 +158,13 @@ class Step:
             if p.dim() == 4:  # cannot swap a fake module's parameters
                 p.data = p.data.contiguous(memory_format=torch.channels_last)
         data = torch.empty(self.resident, *self.input[1:], dtype=torch.uint8, device=device)
-        return model, steady_optimizer(model, self.accum, policy, self.optimizer), data
+        return model, steady_optimizer(model, self.accum, policy, self.optimizer, self.set_to_none), data
 
     def images(self, device: str = "cpu") -> torch.Tensor:
-        """One micro-batch as it reaches the device: indexed from the uint8 dataset, or a DataLoader's float32."""
+        """One micro-batch as it reaches the device: indexed from the uint8 dataset, or a DataLoader's batch."""
         if self.arrives == "uint8":
             return torch.empty(self.micro, *self.input[1:], dtype=torch.uint8, device=device)
-        images = torch.empty(self.micro, *self.input, device=device)
+        images = torch.empty(self.micro, *self.input, dtype=getattr(torch, self.arrives), device=device)
         return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
     def run(self, model: nn.Module, opt: torch.optim.Optimizer, device: str = "cpu") -> None:
@@ -171,7 +180,7 @@ class Step:
         loss.backward()
         del loss, images, labels
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=self.set_to_none)
 
 
 def trace_step(s: Step, policy: str = autocast_policy.CPU, gpu: allocator.Gpu = allocator.STUDY_GPU) -> dict[str, Any]:
@@ -181,7 +190,8 @@ def trace_step(s: Step, policy: str = autocast_policy.CPU, gpu: allocator.Gpu = 
     comes what CUDA's caching allocator would make of the same allocations (gradaccum/allocator.py): its
     allocated and reserved peaks and the nvidia-smi figure they predict.
     """
-    rules = autocast_policy.cuda_policy() if policy == autocast_policy.CUDA else contextlib.nullcontext()
+    cuda = policy == autocast_policy.CUDA
+    rules = autocast_policy.cuda_policy(s.torch_version) if cuda else contextlib.nullcontext()
     device = "cuda" if policy == autocast_policy.NATIVE_CUDA else "cpu"  # fake CUDA tensors need a driver
     with rules as difference, FakeTensorMode(), torch.device(device):  # made there: a fake module cannot move
         model, opt, data = s.made(policy, device)
@@ -194,7 +204,7 @@ def trace_step(s: Step, policy: str = autocast_policy.CPU, gpu: allocator.Gpu = 
         (peak,) = tracker.get_tracker_snapshot("peak").values()  # one device
     kinds = {ours: peak.get(theirs, 0) / MIB for theirs, ours in KINDS.items()}
     row: dict[str, Any] = {"peak_mib": sum(kinds.values()), **{f"{k}_mib": v for k, v in kinds.items()}}
-    row["autocast_policy"] = policy_name(policy, s.dtype, difference)
+    row["autocast_policy"] = policy_name(policy, s.dtype, difference, s.torch_version)
     if policy in (autocast_policy.CUDA, autocast_policy.NATIVE_CUDA):
         row |= allocator.predict_gpu(events[:start], events[start:], gpu=gpu)
     return row
@@ -280,7 +290,10 @@ def trace_variant(
 
 
 def policy_name(
-    device_type: str, dtype: torch.dtype | None, difference: autocast_policy.Difference | None = None
+    device_type: str,
+    dtype: torch.dtype | None,
+    difference: autocast_policy.Difference | None = None,
+    torch_version: str = autocast_policy.PINNED_TORCH,
 ) -> str:
     """Whose autocast rules a trace followed, as its row records it; on a torch whose CUDA lists differ from the
     pinned ones (none of the differing ops called, or the trace would have stopped), the difference too."""
@@ -290,6 +303,11 @@ def policy_name(
         return f"CUDA's own (torch {torch.__version__}, fake CUDA tensors on this machine's driver)"
     if device_type == autocast_policy.CUDA:
         emulated = f"CUDA's (torch {autocast_policy.PINNED_TORCH} lists, emulated on the CPU)"
+        if older := autocast_policy.older_rules(torch_version):
+            emulated = (
+                f"CUDA's as of torch {torch_version}, as far as modelled (torch {autocast_policy.PINNED_TORCH}'s "
+                f"lists; {older}; emulated on the CPU)"
+            )
         return emulated + (f"; {difference}, and this step calls none of those ops" if difference else "")
     return "the CPU's"
 

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from gradaccum.outputs import MissingInput, read_input, write_json
+from gradaccum.outputs import MissingInput, read_input, read_json, write_json
 from gradaccum.records import FORMAT, Hardware, Plan, invalid
 
 T = TypeVar("T", bound=BaseModel)
@@ -21,6 +21,7 @@ SWEEP_POINTS = Path("reports/sweep/points.tsv")
 GRADCHECK = Path("reports/gradcheck.json")
 GRADCHECK_TSV = Path("reports/gradcheck.tsv")
 SPEED = Path("reports/speed.json")
+VALIDATION = Path("docs/validation.json")  # python -m benchmarks.validate --write docs/validation.json, committed
 TRACE = Path("reports/trace.json")
 VARIANTS = Path("reports/variants")
 
@@ -62,6 +63,17 @@ def read(path: Path) -> Any:
         again = f"`dvc repro -f {MADE_BY[path]}` makes it again"
         raise MissingInput(f"{path}: format {record.get('format')!r}, not this code's {FORMAT}: {again}")
     return record
+
+
+def read_validation() -> Any:
+    """The validation's rows and summary where they are; not a stage's output, so its own command remakes it."""
+    if not VALIDATION.exists():
+        return None
+    try:
+        return read_json(VALIDATION)
+    except ValueError as err:
+        again = f"`python -m benchmarks.validate --write {VALIDATION}` makes it again"
+        raise MissingInput(f"{VALIDATION} cannot be read ({type(err).__name__}: {err}): {again}") from None
 
 
 def read_if_there(path: Path) -> Any:

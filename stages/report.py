@@ -19,6 +19,7 @@ from stages.paths import (
     hardware,
     read,
     read_if_there,
+    read_validation,
     sweep_plan,
     variant_dir,
 )
@@ -51,6 +52,7 @@ def main() -> None:
         grad=read_if_there(GRADCHECK),
         speed=read_if_there(SPEED),
         trace=read_if_there(TRACE),
+        validation=read_validation(),
         snapshots=snapshots,
         histories=histories,
     )

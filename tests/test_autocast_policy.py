@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gradaccum import autocast_policy, params, trace
 from gradaccum.memory import MIB
 from gradaccum.models import spec_model
+from gradaccum.refusal import BadInput
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
@@ -269,3 +270,34 @@ def test_the_traced_gpu_step_holds_adamws_foreach_temporaries() -> None:
     on_gpu = trace.trace_step(trace.Step(build, 1, 1, 10, None), policy=autocast_policy.CUDA)
     assert on_cpu["activations_mib"] == on_gpu["activations_mib"] == 0  # the step's peak, after backward
     assert on_gpu["peak_mib"] - on_cpu["peak_mib"] == pytest.approx(sum(sizes) - 2 * max(sizes), rel=1e-3)
+
+
+def test_an_older_torchs_cuda_autocast_ran_gelu_in_float32_and_a_newer_or_unknown_one_is_refused() -> None:
+    """torch 1.6 to 1.9 listed gelu among CUDA autocast's float32 ops; 1.10 on do not (FP32_UNTIL)."""
+    x = torch.randn(4, 4, dtype=torch.float16)
+    for version, dtype in (("1.7.1", torch.float32), ("1.9", torch.float32), ("1.10.0", torch.float16)):
+        with autocast_policy.cuda_policy(version), torch.autocast("cpu", dtype=torch.float16):
+            assert F.gelu(x).dtype == dtype, version
+            assert F.layer_norm(x, (4,)).dtype == torch.float32  # the pinned lists still hold
+    with autocast_policy.cuda_policy(), torch.autocast("cpu", dtype=torch.float16):
+        assert F.gelu(x).dtype == torch.float16
+    for bad in ("2.99", "latest"):
+        with pytest.raises(BadInput, match=bad):
+            autocast_policy.fp32_before(bad)
+
+
+def test_before_torch_1_11_softmax_kept_its_float16_input_for_backward_and_its_gradient_is_unchanged() -> None:
+    """_softmax_backward_data took `self` until pytorch/pytorch#65242: the input stayed live until backward."""
+    x = torch.randn(4, 5, dtype=torch.float16, requires_grad=True)
+    grads = {}
+    for version in ("1.7.1", "1.11.0"):
+        with autocast_policy.cuda_policy(version), torch.autocast("cpu", dtype=torch.float16):
+            y = F.softmax(x, -1)
+        assert y.dtype == torch.float32
+        kept = any(t is x for t in getattr(y.grad_fn, "saved_tensors", ()))
+        assert kept == (version == "1.7.1"), version
+        (grads[version],) = torch.autograd.grad((y * torch.arange(5.0)).sum(), x)
+    assert torch.equal(grads["1.7.1"], grads["1.11.0"]) and grads["1.7.1"].dtype == torch.float16
+    older = "gelu in float32; softmax and log_softmax keeping their input for backward"
+    assert autocast_policy.older_rules("1.7.1") == older
+    assert autocast_policy.older_rules("2.14.1") == ""

@@ -41,6 +41,7 @@ class Inputs:
     grad: dict[str, Any] | None = None  # the gradient check's
     speed: dict[str, Any] | None = None  # the speed stage's interleaved rounds
     trace: dict[str, Any] | None = None  # the trace stage's peaks, both scales
+    validation: dict[str, Any] | None = None  # gradaccum.fit against published GPU measurements (docs/)
     snapshots: dict[str, str] | None = None  # variant -> nvidia-smi text at its peak (GPU)
     histories: dict[str, tuple[str, int]] | None = None  # variant -> (PyTorch memory snapshot file, bytes)
 
@@ -268,6 +269,8 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
     rep.table(traced.study_rows(trace, measured), explain_once=("policy",))
     if on_gpu:
         rep.text("Predicted against measured: " + traced.gpu_verdicts(measured))
+    if inputs.validation:
+        rep.text(traced.validation_summary(inputs.validation))
     if finding := traced.groupnorm_cost(trace, inputs.params.roles):
         rep.text(finding)
     rep.text("What the nvidia-smi predictions assume on top of the traced tensors and the allocator's rules:")

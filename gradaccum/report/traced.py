@@ -100,6 +100,22 @@ def study_rows(trace: dict[str, Any], measured: Measured) -> list[dict[str, Any]
     return out
 
 
+def validation_summary(validation: dict[str, Any]) -> str:
+    """The same engine (gradaccum.fit) against GPU figures other people measured and published: by what each
+    measured, how many rows came within the goal, from how many sources."""
+    parts = [
+        f"{s['measured']}: {s['within_goal']} of {s['rows']} within {s['goal']:.0%} (predicted / published "
+        f"{s['min_ratio']:.3f} to {s['max_ratio']:.3f}, {s['sources']} source{'s' * (s['sources'] > 1)})"
+        for s in validation["summary"]
+    ]
+    rows, sources = len(validation["rows"]), len({r["source"] for r in validation["rows"]})
+    return (
+        f"The engine behind these predictions, checked against {rows} published GPU measurements from {sources} "
+        f"independent sources (`{validation['command']}`; docs/validation.md has every row, its setup and why "
+        "the misses miss): " + "; ".join(parts) + "."
+    )
+
+
 def gpu_verdicts(measured: Measured) -> str:
     """Where a GPU ran: how many variants each prediction brought within its goal, and the worst ratio."""
     parts = []
