@@ -82,6 +82,58 @@ ROWS = (
 )
 FIGURE = {"allocated": "allocated_mib", "reserved": "reserved_mib", "nvidia-smi": "nvidia_smi_mib"}
 
+TIMM_BENCH = (
+    "huggingface/pytorch-image-models results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv (July 2022, timm "
+    "0.6.6's benchmark.py, PyTorch 1.12, CUDA 11.3, one RTX 3090 24 GB): each model starts at batch 512 and, on out "
+    "of memory, retries at the next smaller of 384, 256, 192 (timm.utils.decay_batch_step); AMP float16, timm's "
+    "'sgd' (Nesterov momentum), optimizer.zero_grad() (kept), a float32 batch made once on the GPU, cudnn.benchmark"
+)
+
+
+@dataclass(frozen=True)
+class Ran:
+    """A published batch that ran, or ran out of memory, on a known card: what "fits" must say."""
+
+    source: str
+    model: str
+    batch: int
+    ran: bool
+
+
+TIMM_RUNS = (  # the CSV's batch for the model, and for those below 512 the size before it, which ran out of memory
+    Ran(TIMM_BENCH, "resnet50", 512, True),
+    Ran(TIMM_BENCH, "resnet50d", 384, True),
+    Ran(TIMM_BENCH, "resnet50d", 512, False),
+    Ran(TIMM_BENCH, "efficientnet_b0", 384, True),
+    Ran(TIMM_BENCH, "efficientnet_b0", 512, False),
+    Ran(TIMM_BENCH, "deit_small_patch16_224", 384, True),
+    Ran(TIMM_BENCH, "deit_small_patch16_224", 512, False),
+    Ran(TIMM_BENCH, "convnext_tiny", 256, True),
+    Ran(TIMM_BENCH, "convnext_tiny", 384, False),
+    Ran(TIMM_BENCH, "swin_tiny_patch4_window7_224", 256, True),
+    Ran(TIMM_BENCH, "swin_tiny_patch4_window7_224", 384, False),
+)
+MARGINS = (0.0, 0.05)  # the rule as it stands, and with a 5% safety margin
+
+
+def on_the_card(run: Ran, margin: float) -> dict:
+    """The run's step on an RTX 3090 less `margin`: allocator.on_card's answer, and the card-with-room figures."""
+    before = timm.layers.use_fused_attn()
+    timm.layers.set_fused_attn(False)  # torch 1.12 had no scaled_dot_product_attention
+    try:
+        q = fit.Question(
+            run.model, (3, 224, 224), 1000, run.batch, 1, "float16", "sgd-momentum", torch_version="1.12.1",
+            gpu=allocator.GPUS["rtx3090"], cards=(24.0,), margin=margin,
+        )  # fmt: skip
+        row = fit.question_engine(q).trace(run.batch, 1)
+        room = {
+            "allocated_mib": round(row["gpu_allocated_mib"]),
+            "room_nvidia_smi_mib": round(row["gpu_nvidia_smi_mib"]),
+        }
+        return row["gpu_cards"][0] | room
+    finally:
+        timm.layers.set_fused_attn(before)
+
 
 def predict(row: Published) -> float:
     """The row's measured figure as gradaccum.fit predicts it at the row's setup."""
@@ -141,9 +193,33 @@ def main() -> None:
             f"{goal:.0%}; predicted / published median {line['median_ratio']:.3f} ({line['min_ratio']:.3f} to "
             f"{line['max_ratio']:.3f})"
         )
+    runs = []
+    for run in TIMM_RUNS:
+        cards = {margin: on_the_card(run, margin) for margin in MARGINS}
+        runs.append(asdict(run) | {"margins": {str(m): c for m, c in cards.items()}})
+        said = "; ".join(
+            f"margin {m:.0%}: " + ("fits" + (f" ({c['cache_frees']} cache frees)" if c["cache_frees"] else ""))
+            if c["fits"]
+            else f"margin {m:.0%}: does not fit"
+            for m, c in cards.items()
+        )
+        endless = cards[0.0]
+        print(
+            f"{run.model}, batch {run.batch} on an RTX 3090: {'ran' if run.ran else 'out of memory'}; allocated "
+            f"{endless['allocated_mib']} MiB, nvidia-smi with room {endless['room_nvidia_smi_mib']} MiB; {said}",
+            flush=True,
+        )
+    for margin in MARGINS:
+        cards = [(r["ran"], r["margins"][str(margin)]) for r in runs]
+        agree = sum(c["fits"] == ran for ran, c in cards)
+        before = sum((c["room_nvidia_smi_mib"] <= c["usable_mib"]) == ran for ran, c in cards)
+        print(
+            f"fits or not, margin {margin:.0%}: {agree} of {len(runs)} agree with what ran (the figure on a card "
+            f"with room within the card, the rule before the allocator freed its cache: {before})"
+        )
     if args.write:
         command = f"python -m benchmarks.validate --write {args.write}"
-        outputs.write_json(args.write, {"command": command, "summary": summary, "rows": rows})
+        outputs.write_json(args.write, {"command": command, "summary": summary, "rows": rows, "runs": runs})
 
 
 if __name__ == "__main__":

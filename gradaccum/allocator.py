@@ -8,12 +8,16 @@ are pinned in tests/test_allocator.py against the ones ../shared/gpu-memory-fact
   (kLargeBuffer), from 10 MiB a segment of their own size rounded up to 2 MiB (kRoundLarge);
 - a request takes the smallest cached free block of its pool that holds it (best fit), split when the rest
   is large enough to reuse (at least 512 bytes in the small pool, more than 1 MiB in the large one);
-- a freed block goes back to its pool, merged with free neighbours of its segment; segments are never
-  returned to the driver (no empty_cache), so reserved memory only grows.
+- a freed block goes back to its pool, merged with free neighbours of its segment; segments are returned to
+  the driver only when a new one cannot be had: given a `capacity` (what the card leaves PyTorch), a segment that
+  would take reserved memory past it first makes the allocator free every cached segment that holds no live
+  block (`release_cached_blocks`, which releases the free blocks that are not split) and try again, and only if
+  it still does not fit is the step out of memory (DeviceCachingAllocator::malloc: `alloc_block`, then
+  `release_available_cached_blocks`, a no-op unless max_split_size_mb is set, then `release_cached_blocks` and
+  `alloc_block` again). Without a capacity the card is endless and reserved memory only grows.
 
-Not modelled: `max_split_size_mb`, `expandable_segments`, the free-and-retry path taken when the card is
-full (which lets a run on a nearly full card reserve less than this says), and the per-stream pools (one
-stream here).
+Not modelled: `max_split_size_mb`, `expandable_segments`, garbage_collection_threshold, and the per-stream
+pools (one stream here).
 
 On top of the allocator, nvidia-smi shows what PyTorch does not allocate; `predict_gpu` adds it as stated
 assumptions (GPU_ASSUMPTIONS), each with its source, for the first GPU run to confirm or correct.
@@ -22,6 +26,7 @@ assumptions (GPU_ASSUMPTIONS), each with its source, for the first GPU run to co
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 MIB = 1 << 20
 MIN_BLOCK = 512  # kMinBlockSize
@@ -54,10 +59,18 @@ class Block:
     free: bool = True
 
 
+class OutOfMemory(RuntimeError):
+    """A segment the card cannot hold even after the allocator freed its cache: torch.cuda.OutOfMemoryError."""
+
+
 @dataclass
 class CachingAllocator:
-    """Replays allocations and frees; `allocated` and `reserved` (and their peaks) as torch.cuda reports them."""
+    """Replays allocations and frees; `allocated` and `reserved` (and their peaks) as torch.cuda reports them.
+    `capacity`: the bytes the card leaves for segments (None: endless); `cache_frees` counts the times a full card
+    made it free its cached segments and retry, as torch.cuda.memory_stats()'s num_alloc_retries does."""
 
+    capacity: int | None = None
+    cache_frees: int = 0
     allocated: int = 0
     reserved: int = 0
     peak_allocated: int = 0
@@ -73,9 +86,14 @@ class CachingAllocator:
         small = size <= SMALL_SIZE
         block = self._best_fit(size, small)
         if block is None:
+            total = segment_size(size)
+            if self.capacity is not None and self.reserved + total > self.capacity:
+                self.cache_frees += 1
+                self._release_cached()
+                if self.reserved + total > self.capacity:
+                    raise OutOfMemory(f"a {total / MIB:.0f} MiB segment past {self.capacity / MIB:.0f} MiB")
             segment = self.segments
             self.segments += 1
-            total = segment_size(size)
             block = Block(segment, 0, total)
             self._blocks[segment], self._small[segment] = [block], small
             self.reserved += total
@@ -105,6 +123,13 @@ class CachingAllocator:
             block.size += blocks.pop(i + 1).size
         if i > 0 and blocks[i - 1].free:
             blocks[i - 1].size += blocks.pop(i).size
+
+    def _release_cached(self) -> None:
+        """release_cached_blocks: every segment that is one free block (no live block, none split off) goes back."""
+        for segment, blocks in list(self._blocks.items()):
+            if len(blocks) == 1 and blocks[0].free:
+                self.reserved -= blocks[0].size
+                del self._blocks[segment], self._small[segment]
 
     def _best_fit(self, size: int, small: bool) -> Block | None:
         """The smallest free block of the pool that holds `size` (ties: the lower segment, then offset)."""
@@ -180,9 +205,52 @@ def predict_gpu(
     `before` is what exists when the step starts (weights, optimizer state, the data, a window's gradients);
     `step` is one step's events. The step is replayed `rounds` times, each finding the cache the one before
     left, as every step after the first does; what the step frees of `before` (the gradients, at a window's
-    end) is made again before the next round, as the next window's first backward does.
+    end) is made again before the next round, as the next window's first backward does. The card is endless.
     """
-    a = CachingAllocator()
+    a = replay_step(before, step, rounds, gpu)
+    return {
+        "gpu_allocated_mib": a.peak_allocated / MIB,
+        "gpu_reserved_mib": a.peak_reserved / MIB,
+        "gpu_context_mib": gpu.context / MIB,
+        "gpu_nvidia_smi_mib": (a.peak_reserved + gpu.context) / MIB,
+    }
+
+
+def on_card(
+    before: list[tuple[str, object, int]],
+    step: list[tuple[str, object, int]],
+    usable_mib: float,
+    rounds: int = 2,
+    gpu: Gpu = STUDY_GPU,
+) -> dict[str, Any]:
+    """The same replay on a card that leaves `usable_mib` (the card less the safety margin) for the context and
+    the segments: whether the step runs without running out of memory, the reserved peak and nvidia-smi figure
+    it has there, and how often the allocator had to free its cache to get there (each time, on a GPU, a
+    synchronisation and cudaFree/cudaMalloc calls: a step that fits only so is slower)."""
+    capacity = int(usable_mib * MIB) - gpu.context
+    out: dict[str, Any] = {"usable_mib": round(usable_mib)}
+    try:
+        a = replay_step(before, step, rounds, gpu, capacity)
+    except OutOfMemory:
+        return out | {"fits": False}
+    smi = (a.peak_reserved + gpu.context) / MIB
+    return out | {
+        "fits": True,
+        "reserved_mib": a.peak_reserved / MIB,
+        "nvidia_smi_mib": smi,
+        "cache_frees": a.cache_frees,
+    }
+
+
+def replay_step(
+    before: list[tuple[str, object, int]],
+    step: list[tuple[str, object, int]],
+    rounds: int = 2,
+    gpu: Gpu = STUDY_GPU,
+    capacity: int | None = None,
+) -> CachingAllocator:
+    """predict_gpu's replay: what exists before, the cuBLAS workspaces, then the step `rounds` times."""
+    a = CachingAllocator(capacity)
     resident = {key: size for kind, key, size in before if kind == "malloc"}
     for key, size in resident.items():
         a.malloc(("before", key), size)
@@ -198,12 +266,7 @@ def predict_gpu(
                 a.malloc(k, size)
             else:
                 a.free(k)
-    return {
-        "gpu_allocated_mib": a.peak_allocated / MIB,
-        "gpu_reserved_mib": a.peak_reserved / MIB,
-        "gpu_context_mib": gpu.context / MIB,
-        "gpu_nvidia_smi_mib": (a.peak_reserved + gpu.context) / MIB,
-    }
+    return a
 
 
 def replay(events: list[tuple[str, object, int]], allocator: CachingAllocator | None = None) -> CachingAllocator:

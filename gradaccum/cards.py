@@ -19,38 +19,40 @@ from typing import Any
 
 import pandas as pd
 
-from gradaccum import allocator, fit, models, params, planner, trace
+from gradaccum import allocator, fit, models, params, trace
 from gradaccum.models import IMAGE_SIZE
 from gradaccum.refusal import BadInput
 
 
 def answer(p: params.Params, variants: list[str], cards_gb: list[float], scale: str = "study") -> list[dict[str, Any]]:
-    """A row per variant: its traced tensors, the nvidia-smi figure they predict on a GPU (the allocator's
-    cache and the CUDA context on top: gradaccum/allocator.py) and, per card, "fits" when that figure is at
-    most the card less memory.safety_margin, or the smallest accum that would fit (with `accum: auto`,
-    which has no accum to trace, the smallest accum on every card), found by gradaccum.fit's engine: a line
-    between two traced sizes proposes it, and it is traced itself and raised until it fits."""
-    margin = p.memory.safety_margin
+    """A row per variant: its traced tensors, the nvidia-smi figure they predict on a GPU with room (the
+    allocator's cache and the CUDA context on top: gradaccum/allocator.py) and, per card, "fits" when the step,
+    replayed on that card less memory.safety_margin, never runs out of memory (the allocator freeing its cache
+    where it must: "fits, cache freed" says so), or the smallest accum that would fit (with `accum: auto`, which
+    has no accum to trace, the smallest accum on every card), found by gradaccum.fit's engine: a line between
+    two traced sizes proposes it, and it is replayed on the card itself, raised or lowered to the fewest that
+    fit."""
+    usable = tuple(fit.usable_mib(card, p.memory.safety_margin) for card in cards_gb)
     rows = []
     for variant in variants:
-        traced = trace.trace_variant(p, variant, scale)
-        need = trace.figure(traced) if "peak_mib" in traced else None
+        spec = trace.traced_spec(p, variant, scale)  # None with accum: auto
+        engine = fit.spec_engine(spec or trace.traced_spec(p, variant, scale, accum=1), usable)
+        traced = engine.trace(spec.micro_batch, spec.accum) if spec else None
         row: dict[str, Any] = {
             "variant": variant,
-            "accum x micro-batch": f"{traced['accum']} x {traced['micro_batch']}" if need else "auto",
-            "traced GiB": traced["peak_mib"] / 1024 if need else math.nan,  # shown as -
+            "accum x micro-batch": f"{spec.accum} x {spec.micro_batch}" if spec else "auto",
+            "traced GiB": traced["peak_mib"] / 1024 if traced else math.nan,  # shown as -
         }
         if scale == "study":
-            row["nvidia-smi GiB (predicted)"] = need / 1024 if need else math.nan
-        engine = None  # more traces, only for a card the variant does not fit as configured
-        for card in cards_gb:
-            usable = card * planner.GIB_MIB * (1 - margin)
-            if need and need <= usable:
-                row[f"{card:g} GB"] = "fits"
+            row["nvidia-smi GiB (predicted)"] = trace.figure(traced) / 1024 if traced else math.nan
+        for card, u in zip(cards_gb, usable, strict=True):
+            on_card = engine.on_card(spec.accum, u) if spec else {"fits": False}
+            if on_card["fits"]:
+                row[f"{card:g} GB"] = "fits, cache freed" if on_card.get("cache_frees") else "fits"
                 continue
-            engine = engine or fit.spec_engine(trace.traced_spec(p, variant, scale, accum=1))
-            accum = engine.smallest_accum(usable)
-            row[f"{card:g} GB"] = f"accum {accum}" if accum else "no"
+            accum = engine.smallest_accum(u)
+            freed = ", cache freed" if accum and engine.on_card(accum, u).get("cache_frees") else ""
+            row[f"{card:g} GB"] = f"accum {accum}{freed}" if accum else "no"
         rows.append(row)
     return rows
 
@@ -90,13 +92,14 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{p.model.name}, effective batch {s.batch} ({args.scale} scale), {amp}: traced tensors per variant"
         + (
-            " and the nvidia-smi figure they predict (the caching allocator's cache and an assumed "
-            f"{allocator.CUDA_CONTEXT // allocator.MIB} MiB CUDA context on top); a card fits a variant when that "
-            "figure"
+            " and the nvidia-smi figure they predict on a card with room (the caching allocator's cache and an "
+            f"assumed {allocator.CUDA_CONTEXT // allocator.MIB} MiB CUDA context on top); a card fits a variant when "
+            'its step, replayed on the card, never runs out of memory ("cache freed": only as the allocator frees '
+            "its cache and retries, which is slower)"
             if args.scale == "study"
-            else "; a card fits a variant when its traced peak"
+            else "; a card fits a variant when its traced peak is"
         )
-        + f" is at most the card less {p.memory.safety_margin:.0%}; otherwise the smallest accum that would "
+        + f" within the card less {p.memory.safety_margin:.0%}; otherwise the smallest accum that would "
         "(itself traced), or no\n"
     )
     print(pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.2f}", na_rep="-"))

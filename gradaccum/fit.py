@@ -158,6 +158,7 @@ class Engine:
     amp: str = "float16"
     policy: str = autocast_policy.CUDA  # whose autocast rules: a GPU's, or the CPU's for the CPU scale
     gpu: allocator.Gpu = allocator.STUDY_GPU
+    cards_mib: tuple[float, ...] = ()  # the usable MiB of each card asked about: every trace is replayed on each
     traces: dict[tuple[int, bool, bool, str], dict[str, Any]] = field(default_factory=dict)
 
     def trace(
@@ -167,7 +168,8 @@ class Engine:
         key = (micro, accum > 1, ckpt, amp)
         if key not in self.traces:
             try:
-                self.traces[key] = trace.trace_step(self.make(micro, accum, ckpt, amp), self.policy, self.gpu)
+                step = self.make(micro, accum, ckpt, amp)
+                self.traces[key] = trace.trace_step(step, self.policy, self.gpu, self.cards_mib)
             except BadInput:
                 raise
             except Exception as err:  # one line naming the model and the reason, never a traceback
@@ -180,24 +182,45 @@ class Engine:
         CUDA's rules, the live tensors' peak under the CPU's (trace.figure)."""
         return trace.figure(self.trace(micro_batch_size(self.batch, accum), accum, checkpointing, amp))
 
+    def on_card(
+        self, accum: int, usable: float, checkpointing: bool | None = None, amp: str | None = None
+    ) -> dict[str, Any]:
+        """The step at `accum` on a card leaving `usable` MiB (one of `cards_mib`): allocator.on_card's replay, the
+        allocator freeing its cache where a segment would not fit. Under the CPU's rules (no allocator to
+        replay) it fits when the traced peak does."""
+        row = self.trace(micro_batch_size(self.batch, accum), accum, checkpointing, amp)
+        for card in row.get("gpu_cards", ()):
+            if card["usable_mib"] == round(usable):
+                return card
+        if self.policy != autocast_policy.CPU:
+            raise ValueError(f"{usable:.0f} MiB is not one of the engine's cards {self.cards_mib}")
+        return {"usable_mib": round(usable), "fits": row["peak_mib"] <= usable, "nvidia_smi_mib": row["peak_mib"]}
+
+    def fits(self, accum: int, usable: float, checkpointing: bool | None = None, amp: str | None = None) -> bool:
+        return self.on_card(accum, usable, checkpointing, amp)["fits"]
+
     def smallest_accum(self, usable: float, checkpointing: bool | None = None, amp: str | None = None) -> int | None:
-        """The fewest micro-batches whose traced step fits `usable` MiB; None if micro-batches of two samples do not
-        (one sample cannot train a BatchNorm model). Proposed by a line through two traced sizes (trace.peak_line's
-        reasoning: backward's part grows with the micro-batch), then traced itself and raised until it fits."""
+        """The fewest micro-batches whose step fits a card leaving `usable` MiB (`on_card`); None if micro-batches
+        of two samples do not (one sample cannot train a BatchNorm model). Proposed by a line through two traced
+        sizes' nvidia-smi figures on an endless card (trace.peak_line's reasoning: backward's part grows with the
+        micro-batch), then replayed on the card itself: raised until it fits, lowered while the one below fits
+        too (freeing the cache can fit a step whose endless-card figure does not)."""
         batch = self.batch
-        if self.need(1, checkpointing, amp) <= usable:
+        if self.fits(1, usable, checkpointing, amp):
             return 1
         low = min(2, batch)
         smallest = math.ceil(batch / low)  # the accum of micro-batches of `low` samples
-        if smallest == 1 or self.need(smallest, checkpointing, amp) > usable:
+        if smallest == 1 or not self.fits(smallest, usable, checkpointing, amp):
             return None
         high = max(low + 1, batch // 2)
         low_need, high_need = (trace.figure(self.trace(m, 2, checkpointing, amp)) for m in (low, high))
         per_sample = (high_need - low_need) / (high - low)
         line = Line(fixed_mib=low_need - per_sample * low, per_sample_mib=per_sample)
-        accum = max(2, planner.smallest_accum(line, usable, batch) or smallest)
-        while accum < smallest and self.need(accum, checkpointing, amp) > usable:
+        accum = fewest_for_micro(batch, max(2, planner.smallest_accum(line, usable, batch) or smallest))
+        while accum < smallest and not self.fits(accum, usable, checkpointing, amp):
             accum = next_accum(batch, accum)
+        while accum > 2 and self.fits(previous_accum(batch, accum), usable, checkpointing, amp):
+            accum = previous_accum(batch, accum)
         return accum
 
 
@@ -213,17 +236,38 @@ def question_engine(q: Question) -> Engine:
             q.optimizer, q.channels_last, q.torch_version,
         )  # fmt: skip
 
-    return Engine(q.model, q.batch, make, q.checkpointing, q.amp, autocast_policy.CUDA, q.gpu)
+    usable = tuple(usable_mib(card, q.margin) for card in q.cards)
+    return Engine(q.model, q.batch, make, q.checkpointing, q.amp, autocast_policy.CUDA, q.gpu, usable)
 
 
-def spec_engine(spec: RunSpec) -> Engine:
-    """The engine of a study variant's step (a resolved RunSpec): its model, its resident data, its device's rules."""
+def spec_engine(spec: RunSpec, cards_mib: tuple[float, ...] = ()) -> Engine:
+    """The engine of a study variant's step (a resolved RunSpec): its model, its resident data, its device's rules;
+    each trace replayed on cards leaving `cards_mib`."""
 
     def make(micro: int, accum: int, checkpointing: bool, amp: str) -> trace.Step:
         step = trace.Step.of(spec.model_copy(update={"checkpointing": checkpointing}))
         return replace(step, micro=micro, accum=accum, dtype=AMP_DTYPES[amp])
 
-    return Engine(spec.variant, spec.batch, make, spec.checkpointing, spec.amp, spec.device)
+    return Engine(spec.variant, spec.batch, make, spec.checkpointing, spec.amp, spec.device, cards_mib=cards_mib)
+
+
+def usable_mib(card_gb: float, margin: float) -> float:
+    """What a card leaves a step, in MiB: the card less the safety margin (params.yaml's memory.safety_margin)."""
+    return card_gb * planner.GIB_MIB * (1 - margin)
+
+
+def previous_accum(batch: int, accum: int) -> int:
+    """The next accum down whose micro-batch is larger, the smallest of those (of 8: 8, then 4, 3, 2, 1)."""
+    below = fewest_for_micro(batch, accum) - 1
+    return fewest_for_micro(batch, below) if below > 1 else 1
+
+
+def fewest_for_micro(batch: int, accum: int) -> int:
+    """The fewest micro-batches with `accum`'s micro-batch size (of 8, accum 5 to 7 share 4's size, 2)."""
+    micro = micro_batch_size(batch, accum)
+    while accum > 1 and micro_batch_size(batch, accum - 1) == micro:
+        accum -= 1
+    return accum
 
 
 def next_accum(batch: int, accum: int) -> int:
@@ -232,15 +276,19 @@ def next_accum(batch: int, accum: int) -> int:
     return math.ceil(batch / (micro - 1)) if micro > 1 else batch
 
 
-def option(engine: Engine, accum: int | None, checkpointing: bool, amp: str) -> dict[str, Any] | None:
+def option(engine: Engine, accum: int | None, usable: float, checkpointing: bool, amp: str) -> dict[str, Any] | None:
+    """An accum that fits the card, with the nvidia-smi figure it has there and how often the allocator had to
+    free its cache to fit (0: it never needed to; more: it runs, slower than on a card with room)."""
     if accum is None:
         return None
+    card = engine.on_card(accum, usable, checkpointing, amp)
     return {
         "accum": accum,
         "micro_batch": micro_batch_size(engine.batch, accum),
         "checkpointing": checkpointing,
         "amp": amp,
-        "nvidia_smi_mib": round(engine.need(accum, checkpointing, amp), 1),
+        "nvidia_smi_mib": round(card["nvidia_smi_mib"], 1),
+        "cache_frees": card.get("cache_frees", 0),
     }
 
 
@@ -272,17 +320,17 @@ def answer(q: Question) -> dict[str, Any]:
         "cards": [],
     }
     other, torchvision = OTHER_PRECISION[q.amp], q.model.startswith("torchvision:")
-    for card in q.cards:
-        usable = card * planner.GIB_MIB * (1 - q.margin)
-        fits = row["gpu_nvidia_smi_mib"] <= usable
-        entry: dict[str, Any] = {"card_gb": card, "usable_mib": round(usable), "fits": fits}
+    for card, usable in zip(q.cards, engine.cards_mib, strict=True):
+        on_card = engine.on_card(accum, usable)
+        entry: dict[str, Any] = {"card_gb": card} | on_card
         smallest = engine.smallest_accum(usable, q.checkpointing, q.amp)  # fewer than --accum may fit too
-        entry["smallest_accum"] = option(engine, smallest, q.checkpointing, q.amp)
-        if not fits:  # what the other levers would need instead
+        entry["smallest_accum"] = option(engine, smallest, usable, q.checkpointing, q.amp)
+        if not on_card["fits"]:  # what the other levers would need instead
             if not (q.checkpointing or torchvision):  # torchvision's models have no checkpointing switch
-                entry["with_checkpointing"] = option(engine, engine.smallest_accum(usable, True, q.amp), True, q.amp)
+                with_ckpt = engine.smallest_accum(usable, True, q.amp)
+                entry["with_checkpointing"] = option(engine, with_ckpt, usable, True, q.amp)
             entry["other_precision"] = option(
-                engine, engine.smallest_accum(usable, q.checkpointing, other), q.checkpointing, other
+                engine, engine.smallest_accum(usable, q.checkpointing, other), usable, q.checkpointing, other
             )
         out["cards"].append(entry)
     return out
@@ -292,7 +340,12 @@ def option_text(o: dict[str, Any] | None, with_amp: bool = False) -> str:
     if o is None:
         return "does not fit even at micro-batch 2"
     amp = f", {o['amp']}" if with_amp else ""
-    return f"accum {o['accum']} (micro-batch {o['micro_batch']}{amp}): {o['nvidia_smi_mib'] / 1024:.1f} GiB"
+    text = f"accum {o['accum']} (micro-batch {o['micro_batch']}{amp}): {o['nvidia_smi_mib'] / 1024:.1f} GiB"
+    return text + (FREES if o["cache_frees"] else "")
+
+
+# Said wherever a step fits only because the allocator frees its cache (allocator.on_card): it runs, slower.
+FREES = ", fitting only as the allocator frees its cache and retries (slower)"
 
 
 def printout(a: dict[str, Any]) -> str:
@@ -314,7 +367,8 @@ def printout(a: dict[str, Any]) -> str:
     for c in a["cards"]:
         head = f"{c['card_gb']:g} GB card ({c['usable_mib']} MiB usable): "
         if c["fits"]:
-            lines.append(head + f"fits; smallest accum: {option_text(c['smallest_accum'])}")
+            frees = FREES if c["cache_frees"] else ""
+            lines.append(head + f"fits{frees}; smallest accum: {option_text(c['smallest_accum'])}")
             continue
         lines.append(
             head

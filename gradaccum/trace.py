@@ -183,12 +183,15 @@ class Step:
         opt.zero_grad(set_to_none=self.set_to_none)
 
 
-def trace_step(s: Step, policy: str = autocast_policy.CPU, gpu: allocator.Gpu = allocator.STUDY_GPU) -> dict[str, Any]:
+def trace_step(
+    s: Step, policy: str = autocast_policy.CPU, gpu: allocator.Gpu = allocator.STUDY_GPU, cards_mib: tuple = ()
+) -> dict[str, Any]:
     """MiB live at the peak of a steady-state step on fake tensors, in total and by kind, and whose rules cast it.
 
     `policy` is whose autocast rules cast each op ("cuda" or "cpu"): a GPU figure needs CUDA's, and with them
     comes what CUDA's caching allocator would make of the same allocations (gradaccum/allocator.py): its
-    allocated and reserved peaks and the nvidia-smi figure they predict.
+    allocated and reserved peaks and the nvidia-smi figure they predict; and for each usable size in `cards_mib`,
+    the same allocations replayed on a card of that size (`gpu_cards`: allocator.on_card).
     """
     cuda = policy == autocast_policy.CUDA
     rules = autocast_policy.cuda_policy(s.torch_version) if cuda else contextlib.nullcontext()
@@ -207,6 +210,8 @@ def trace_step(s: Step, policy: str = autocast_policy.CPU, gpu: allocator.Gpu = 
     row["autocast_policy"] = policy_name(policy, s.dtype, difference, s.torch_version)
     if policy in (autocast_policy.CUDA, autocast_policy.NATIVE_CUDA):
         row |= allocator.predict_gpu(events[:start], events[start:], gpu=gpu)
+        if cards_mib:
+            row["gpu_cards"] = [allocator.on_card(events[:start], events[start:], u, gpu=gpu) for u in cards_mib]
     return row
 
 

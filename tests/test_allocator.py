@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from torch import nn
 
 from gradaccum import allocator, trace
@@ -116,3 +117,42 @@ def test_a_traced_linear_step_replays_to_the_hand_count_rounded() -> None:
     assert "gpu_reserved_mib" not in trace.trace_step(
         trace.Step(build, 1, 1, 10, None, 1000), policy="cpu"
     )  # CUDA's only
+
+
+def test_a_full_card_frees_the_cached_segments_and_retries() -> None:
+    """Capacity 40 MiB: a freed 20 MiB segment stays cached; a 30 MiB request finds no cached block that holds it,
+    and a new segment would reserve 50 MiB, so the allocator releases the unused 20 MiB segment and retries:
+    reserved 30 MiB, one retry. On an endless card the same requests reserve 50 MiB."""
+    events = [("malloc", "a", 20 * MIB), ("free", "a", 0), ("malloc", "b", 30 * MIB)]
+    full = replay(events, CachingAllocator(capacity=40 * MIB))
+    assert (full.reserved, full.peak_reserved, full.cache_frees, full.segments) == (30 * MIB, 30 * MIB, 1, 2)
+    endless = replay(events)
+    assert (endless.reserved, endless.cache_frees) == (50 * MIB, 0)
+
+
+def test_a_segment_holding_a_live_block_is_kept_and_the_step_is_out_of_memory() -> None:
+    """The same with the 20 MiB tensor still live: nothing can be released, so 50 MiB > 40 is out of memory; and a
+    20 MiB segment split by a live 2 MiB block is not released either (release_cached_blocks frees whole ones)."""
+    with pytest.raises(allocator.OutOfMemory):
+        replay([("malloc", "a", 20 * MIB), ("malloc", "b", 30 * MIB)], CachingAllocator(capacity=40 * MIB))
+    split = [("malloc", "a", 2 * MIB), ("malloc", "c", 2 * MIB), ("free", "c", 0), ("malloc", "b", 30 * MIB)]
+    with pytest.raises(allocator.OutOfMemory):
+        replay(split, CachingAllocator(capacity=40 * MIB))
+    assert replay(split, CachingAllocator(capacity=50 * MIB)).cache_frees == 0  # 20 + 30: room without freeing
+
+
+def test_a_step_whose_reserved_peak_exceeds_the_card_fits_when_its_allocated_peak_does() -> None:
+    """allocator.on_card: the card less the context is what the segments may take. The two 1 MiB workspaces share
+    a 2 MiB small segment; the step's 30 MiB tensor is freed before its 40 MiB one is made, so on an endless card
+    it reserves 2 + 30 + 40 = 72 MiB (82 in nvidia-smi with 10 MiB of context). A 60 MiB card leaves 50: the
+    cached 30 MiB segment goes back for the 40 MiB one (42 reserved), and the second round reuses the 40 MiB
+    segment for both. A 45 MiB card leaves 35, under 2 + 40: out of memory."""
+    gpu = allocator.Gpu("test", 1, cublas_workspace=MIB, context=10 * MIB)
+    step = [("malloc", "x", 30 * MIB), ("free", "x", 0), ("malloc", "y", 40 * MIB), ("free", "y", 0)]
+    endless = allocator.predict_gpu([], step, gpu=gpu)
+    assert endless["gpu_reserved_mib"] == 72 and endless["gpu_nvidia_smi_mib"] == 82
+    room = allocator.on_card([], step, 82.0, gpu=gpu)
+    assert room == {"usable_mib": 82, "fits": True, "reserved_mib": 72, "nvidia_smi_mib": 82, "cache_frees": 0}
+    tight = allocator.on_card([], step, 60.0, gpu=gpu)
+    assert tight == {"usable_mib": 60, "fits": True, "reserved_mib": 42, "nvidia_smi_mib": 52, "cache_frees": 1}
+    assert allocator.on_card([], step, 45.0, gpu=gpu) == {"usable_mib": 45, "fits": False}

@@ -19,7 +19,9 @@ def test_the_tutorials_baseline_needs_accumulation_on_a_small_card() -> None:
     assert 24 < base["traced GiB"] < 27  # BatchNorm: float16 under either policy
     # nvidia-smi's predicted figure decides: the tensors, the allocator's cache, the CUDA context
     assert base["traced GiB"] + 0.5 < base["nvidia-smi GiB (predicted)"] < base["traced GiB"] * 1.15
-    assert base["8 GB"] == "accum 5" and base["40 GB"] == "fits"  # 4 x 8192 predicts 7.5 GiB: over 7.2 usable
+    # 4 x 8192 reserves 7176 MiB on a card with room, over the 6873 an 8 GB card leaves the segments (7373 MiB
+    # usable less the 500 MiB context); its allocated peak, 6589 MiB, is not: the allocator frees its cache and fits
+    assert base["8 GB"] == "accum 4, cache freed" and base["40 GB"] == "fits"
     # GroupNorm under CUDA's autocast runs in float32: 10.6 GiB at 4 x 8192 (6.4 under the CPU's rules, which
     # said it fits an 8 GB card); it needs a seventh of the batch there
     assert 10 < acc["traced GiB"] < 11 and acc["accum x micro-batch"] == "4 x 8192"

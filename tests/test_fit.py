@@ -60,16 +60,17 @@ def test_the_answer_has_every_figure_and_a_card_answer_that_fits_its_own_trace()
 
 
 def test_the_smallest_accum_is_traced_and_raised_until_it_fits() -> None:
-    """A line proposes, the trace decides: the answer's own trace fits, the next smaller accum's does not."""
-    q = fit.Question("test_efficientnet", (3, 64, 64), 10, batch=256)
-    engine = fit.question_engine(q)
-    whole = engine.need(1)
-    usable = (whole + allocator.CUDA_CONTEXT / MIB) / 2  # about half of what the whole batch needs, context kept
+    """A line proposes, the card decides: the answer's own step fits the card, the next larger micro-batch's does
+    not, and no smaller accum has the answer's micro-batch."""
+    q = fit.Question("test_efficientnet", (3, 64, 64), 10, batch=256, cards=(80.0,))
+    whole = fit.question_engine(q).need(1)
+    half = (whole + allocator.CUDA_CONTEXT / MIB) / 2 / 1024  # a card about half what the whole batch needs
+    engine = fit.question_engine(replace(q, cards=(half,), margin=0.0))
+    (usable,) = engine.cards_mib
     accum = engine.smallest_accum(usable)
     assert accum is not None and 1 < accum < 256
-    assert engine.need(accum) <= usable
-    smaller = accum - 1
-    assert micro_batch_size(256, smaller) == micro_batch_size(256, accum) or engine.need(smaller) > usable
+    assert engine.fits(accum, usable) and not engine.fits(fit.previous_accum(256, accum), usable)
+    assert micro_batch_size(256, accum - 1) > micro_batch_size(256, accum)
 
 
 def test_the_gpu_sets_the_cublas_workspace_and_the_card() -> None:
@@ -192,3 +193,13 @@ def test_the_smallest_accum_is_the_smallest_even_when_a_larger_one_was_asked() -
     q = fit.Question("test_resnet", (3, 32, 32), 10, batch=64, accum=8, cards=(80.0,))
     (card,) = fit.answer(q)["cards"]
     assert card["fits"] and card["smallest_accum"]["accum"] == 1
+
+
+def test_a_card_that_fits_only_by_freeing_the_cache_says_so() -> None:
+    """The answer names the slower path wherever the allocator had to free its cache (allocator.on_card)."""
+    q = fit.Question("test_resnet", (3, 32, 32), 10, batch=64, cards=(80.0,))
+    a = fit.answer(q)
+    assert a["cards"][0]["fits"] and a["cards"][0]["cache_frees"] == 0 and fit.FREES not in fit.printout(a)
+    a["cards"][0]["cache_frees"] = 1
+    a["cards"][0]["smallest_accum"]["cache_frees"] = 2
+    assert fit.printout(a).splitlines()[-1].count(fit.FREES) == 2
