@@ -6,8 +6,9 @@
 Each variant's training step is traced on fake tensors (gradaccum/trace.py), under CUDA's autocast rules
 for the study scale (GroupNorm in float32, as a GPU runs it), a few seconds a variant; its allocations,
 replayed through a model of CUDA's caching allocator with the CUDA context added (gradaccum/allocator.py),
-predict nvidia-smi's figure. As configured a variant fits a card when that figure is at most the card less
-memory.safety_margin; when it does not, the fewest micro-batches that would.
+predict nvidia-smi's figure. As configured a variant fits a card when its allocations, replayed on the card less
+memory.safety_margin, never run out of memory (the allocator freeing its cache where a segment would not fit,
+as PyTorch's does); when they do, the fewest micro-batches that would not.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ optimizer in its steady state, a batch of the input's shape arriving as a DataLo
 backward under autocast with CUDA's lists (gradaccum/autocast_policy.py), the optimizer step; its allocations
 replayed through a model of CUDA's caching allocator (gradaccum/allocator.py) predict torch.cuda's
 max_memory_allocated and max_memory_reserved, and nvidia-smi's figure with the CUDA context on top. A card fits
-when that figure is at most the card less the margin; where it does not, the smallest accum that does (itself
-traced), and what activation checkpointing or the other precision would need instead.
+when the same allocations, replayed on the card less the margin, never run out of memory (the allocator freeing
+its cache and retrying where a new segment would not fit); where they do, the smallest accum that fits (itself
+traced and replayed), and what activation checkpointing or the other precision would need instead.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from gradaccum import allocator, autocast_policy, planner, trace
 from gradaccum.accumulation import micro_batch_size
-from gradaccum.records import Line
+from gradaccum.params import Params
+from gradaccum.records import Hardware, Line
 from gradaccum.refusal import BadInput, refuse
-from gradaccum.spec import AMP_DTYPES, RunSpec
+from gradaccum.spec import AMP_DTYPES, RunSpec, sweep_spec
 
 OTHER_PRECISION = {"float16": "float32", "bfloat16": "float32", "float32": "float16"}
 KINDS = {  # the trace's kinds -> what the printout calls them
@@ -249,6 +251,25 @@ def spec_engine(spec: RunSpec, cards_mib: tuple[float, ...] = ()) -> Engine:
         return replace(step, micro=micro, accum=accum, dtype=AMP_DTYPES[amp])
 
     return Engine(spec.variant, spec.batch, make, spec.checkpointing, spec.amp, spec.device, cards_mib=cards_mib)
+
+
+def study_cards(p: Params, checkpointing: bool) -> list[dict[str, Any]]:
+    """The report's GPU card table: the sweep's model at the study scale, plain or with checkpointing, on each of
+    memory.cards_gb less memory.safety_margin: the fewest micro-batches whose step, replayed on the card, fits,
+    its nvidia-smi figure there and how often the allocator freed its cache to fit."""
+    spec = sweep_spec(p, Hardware.nominal("study"), checkpointing)
+    usable = tuple(usable_mib(card, p.memory.safety_margin) for card in p.memory.cards_gb)
+    engine = spec_engine(spec, usable)
+    rows = []
+    for card, u in zip(p.memory.cards_gb, usable, strict=True):
+        accum = engine.smallest_accum(u)
+        row: dict[str, Any] = {"card_gb": card, "usable_mib": round(u), "accum": accum}
+        if accum:
+            on_card = engine.on_card(accum, u)
+            row |= {"micro_batch": micro_batch_size(spec.batch, accum), "nvidia_smi_mib": on_card["nvidia_smi_mib"]}
+            row["cache_frees"] = on_card["cache_frees"]
+        rows.append(row)
+    return rows
 
 
 def usable_mib(card_gb: float, margin: float) -> float:

@@ -364,16 +364,20 @@ def _job(p: Params, job: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
         return job, trace_variant(p, args[0], "study", fast_norm=True)
     if kind == "tutorial":
         return job, trace_variant(tutorial_settings(p), args[0], "study")
+    if kind == "cards":
+        from gradaccum import fit  # the engine that replays a step on each card is built on this module
+
+        return job, fit.study_cards(p, checkpointing=args[0] == "checkpointing")
     return job, variant_line(p, sweep_spec(p, Hardware.nominal("study"), checkpointing=args[0] == "checkpointing"))
 
 
 def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every variant at both scales (the CPU scale with the real allocator's peak beside the trace), and the
-    sweep's model's lines (plain, with checkpointing) at the study scale, for the GPU card table; in `workers`
-    processes."""
+    sweep's model's lines (plain, with checkpointing) at the study scale and its fewest micro-batches on each of
+    memory.cards_gb, replayed on the card (the GPU card table); in `workers` processes."""
     twins = {v: twin for v in p.variants if (twin := step_twin(p, v))}  # the same step but the lr: traced once
     jobs = [("variant", v, scale) for scale in DEVICES for v in p.variants if v not in twins]
-    jobs += [("line", kind) for kind in ("plain", "checkpointing")]
+    jobs += [(job, kind) for job in ("line", "cards") for kind in ("plain", "checkpointing")]
     treatment = p.variants[p.roles.treatment]
     if (treatment.norm, treatment.swap) == ("group", "keep_act"):  # timm's fast norm against GroupNorm's float32
         jobs.append(("fast_norm", p.roles.treatment))
@@ -392,6 +396,7 @@ def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -
     return {
         "rows": rows,
         "study_lines": {kind: done[("line", kind)] for kind in ("plain", "checkpointing")},
+        "study_cards": {kind: done[("cards", kind)] for kind in ("plain", "checkpointing")},  # replayed on each card
         "fast_norm": [done[job] for job in jobs if job[0] == "fast_norm"],  # timm's fast norm, one variant
         "tutorial_settings": [done[job] for job in jobs if job[0] == "tutorial"],  # at 4 x 8192, whatever accum is
         "torch": torch.__version__,

@@ -109,15 +109,15 @@ def stages_covering(dvc: dict, key: str) -> set[str]:
     return covering
 
 
-@pytest.mark.parametrize("key", ["memory.cards_gb"])
-def test_report_only_settings_rerun_the_report_only(dvc: dict, key: str) -> None:
-    assert stages_covering(dvc, key) == {"report"}
+def test_card_sizes_rerun_the_trace_and_the_report_only(dvc: dict) -> None:
+    """The GPU card table replays the traced step on each card (trace); the report words it and the sweep's."""
+    assert stages_covering(dvc, "memory.cards_gb") == {"trace", "report"}
 
 
 def test_settings_that_change_training_rerun_it(dvc: dict) -> None:
     for key in ("memory.interval_ms", "memory.host_budget_gb", "train.amp_cpu", "model.name", "seed"):
         assert "train" in stages_covering(dvc, key), key
-    assert {"sweep", "report"} <= stages_covering(dvc, "memory.safety_margin")  # accum: auto, and the card table
+    assert {"sweep", "trace", "report"} <= stages_covering(dvc, "memory.safety_margin")  # accum: auto, card tables
 
 
 def test_no_library_module_imports_a_stage_and_no_stage_imports_another() -> None:

@@ -93,10 +93,10 @@ def test_second_repro_reruns_only_the_hardware_check(repo, repro: str) -> None:
     assert ran(run(["dvc", "repro"], path, env)) == {"hardware"}
 
 
-def test_report_only_setting_reruns_only_the_report(repo, repro: str) -> None:
+def test_card_sizes_rerun_only_the_trace_and_the_report(repo, repro: str) -> None:
     path, env = repo
     out = run(["dvc", "exp", "run", "-S", "memory.cards_gb=[8,24]"], path, env)
-    assert ran(out) == {"hardware", "report"}  # hardware always runs; its output is unchanged, so nothing follows
+    assert ran(out) == {"hardware", "trace", "report"}  # hardware always runs; its output is unchanged
     assert "| 24 |" in (path / "reports/report.md").read_text()
 
 

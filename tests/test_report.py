@@ -326,7 +326,24 @@ def trace_fixture(p: dict[str, Any]) -> dict[str, Any]:
     seconds = {"compute_seconds": 30.0, "stage_seconds": 34.0}
     tutorial = [r for r in rows if r["scale"] == "study" and r["variant"] in ("baseline", "tutorial_accumulation")]
     out = {"format": 1, "rows": rows, "study_lines": lines, "tutorial_settings": tutorial}
-    return out | {"gpu_assumptions": assumed, **seconds}
+    return out | {"study_cards": study_cards(p["memory"]["cards_gb"]), "gpu_assumptions": assumed, **seconds}
+
+
+def study_cards(cards_gb: list[float]) -> dict[str, list[dict[str, Any]]]:
+    """The trace stage's cards replayed: 105 MiB + 0.78 (0.2 with checkpointing) per sample, 500 MiB of context,
+    within the card less 10%; the 8 GB card fits plain only by freeing the cache."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for kind, per_sample in (("plain", 0.78), ("checkpointing", 0.2)):
+        rows = []
+        for card in cards_gb:
+            usable = card * 1024 * 0.9
+            accum = next(a for a in range(1, 32769) if 605 + per_sample * -(-32768 // a) <= usable)
+            micro = -(-32768 // accum)
+            smi, frees = 605 + per_sample * micro, int(kind == "plain" and card == 8)
+            rows.append({"card_gb": float(card), "usable_mib": round(usable), "accum": accum, "micro_batch": micro,
+                         "nvidia_smi_mib": smi, "cache_frees": frees})  # fmt: skip
+        out[kind] = rows
+    return out
 
 
 def mean_loss(m: dict[str, Any]) -> float:
@@ -516,7 +533,9 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     assumed = md_table(md, "Predicted without a GPU: the traced peak", 1)
     assert assumed == [{"on top of the allocator": "CUDA context", "assumed (source)": "500 MiB, assumed"}]
     cards_traced = {r["card (GB)"]: r for r in md_table(md, "Predicted without a GPU: the traced peak", 2)}
-    assert cards_traced["8.0"]["plain"].startswith("accum 4 (micro-batch 8192)")  # 105 + 0.78 m <= 7373 MiB
+    assert cards_traced["8.0"]["plain"].startswith("accum 4 (micro-batch 8192)")  # 605 + 0.78 m <= 7373 MiB
+    assert cards_traced["8.0"]["plain"].endswith(", cache freed")
+    assert not cards_traced["8.0"]["checkpointing"].endswith(", cache freed")
     validated = {r["variant"]: r for r in md_table(md, "Predicted without a GPU: the traced peak", 3)}
     assert validated["accumulation"]["verdict"] == "within 5%"
     assert validated["accumulation"]["activations, temporaries"] == f"{1.5 * 64:.0f}"  # the breakdown, both scales

@@ -277,11 +277,13 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
     rep.table(traced.assumptions(trace))
     rep.text(
         f"GPU cards at the study scale (effective batch {study.batch}), from the trace: the fewest micro-batches "
-        f"whose predicted nvidia-smi figure fits in the card less {p.memory.safety_margin:.0%} (a line through "
-        "two traced sizes; `python -m gradaccum.cards` traces the suggested micro-batch itself)"
+        f"whose step, its allocations replayed on the card less {p.memory.safety_margin:.0%} and the context, "
+        "never runs out of memory (a line through two traced sizes proposes it; it is traced and replayed itself), "
+        'and its nvidia-smi figure there. "cache freed": it fits only as the allocator releases its unused '
+        "segments and retries, as PyTorch's does, which is slower (docs/validation.md: fits or not on a full card)"
         + (" (measured on this GPU in the sweep's points)." if on_gpu else ".")
     )
-    rep.table(traced.card_rows(trace, study.batch, p.memory.cards_gb, p.memory.safety_margin))
+    rep.table(traced.card_rows(trace))
     cpu_results = inputs.results if hw.scale == "cpu" else {}
     rep.text(
         "The CPU scale, where the trace can be held against real tensors: the same step run for real with the "

@@ -10,9 +10,8 @@ from typing import Any
 
 import pandas as pd
 
-from gradaccum import planner
 from gradaccum.params import Roles
-from gradaccum.records import Line, Plan
+from gradaccum.records import Plan
 from gradaccum.report.tables import COSTS, SAVES, Results, fmt, peak_mib, verdict
 from gradaccum.tutorial import CLAIM_TOLERANCE, CLAIMS
 
@@ -218,22 +217,22 @@ def cpu_note(trace: dict[str, Any]) -> str:
     )
 
 
-def card_rows(trace: dict[str, Any], batch: int, cards_gb: list[float], margin: float) -> list[dict[str, Any]]:
-    """Per GPU card: the fewest micro-batches a step of the study's batch needs, from each traced line."""
-    lines = trace["study_lines"].items()
-    per_line = {kind: planner.card_table(Line.model_validate(line), batch, cards_gb, margin) for kind, line in lines}
+def card_rows(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per GPU card: the fewest micro-batches a step of the study's batch needs, plain and with checkpointing,
+    each replayed on the card by the trace stage (gradaccum.fit.study_cards)."""
+    cards = trace["study_cards"]
     return [
-        {"card (GB)": card, "usable (MiB)": per_line["plain"][i]["usable_mib"]}
-        | {kind: accum_text(rows[i]) for kind, rows in per_line.items()}
-        for i, card in enumerate(cards_gb)
+        {"card (GB)": plain["card_gb"], "usable (MiB)": plain["usable_mib"]}
+        | {kind: accum_text(rows[i]) for kind, rows in cards.items()}
+        for i, plain in enumerate(cards["plain"])
     ]
 
 
 def accum_text(card: dict[str, Any]) -> str:
-    if card["smallest_accum"] is None:
-        return "does not fit even at micro-batch 1"
-    micro, gib = card["micro_batch"], card["predicted_peak_mib"] / 1024
-    return f"accum {card['smallest_accum']} (micro-batch {micro}): {gib:.1f} GiB"
+    if card["accum"] is None:
+        return "does not fit even at micro-batch 2"
+    text = f"accum {card['accum']} (micro-batch {card['micro_batch']}): {card['nvidia_smi_mib'] / 1024:.1f} GiB"
+    return text + (", cache freed" if card["cache_frees"] else "")
 
 
 def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool, roles: Roles) -> list[dict[str, str]]:
