@@ -40,7 +40,7 @@ from gradaccum.memory import MIB
 from gradaccum.models import IMAGE_SIZE, spec_model
 from gradaccum.params import Params, set_values
 from gradaccum.records import DEVICES, Hardware
-from gradaccum.spec import AutoUndecided, RunSpec, resolve, step_twin, sweep_spec
+from gradaccum.spec import AutoUndecided, RunSpec, resolve, step_twin
 from gradaccum.tutorial import CLAIMS
 
 KINDS = {  # MemTracker's names for what holds memory -> ours
@@ -339,13 +339,6 @@ def figure(row: dict[str, float]) -> float:
     return row.get("gpu_nvidia_smi_mib", row["peak_mib"])
 
 
-def variant_line(p: Params, spec: RunSpec) -> dict[str, Any]:
-    """`peak_line` of the spec's step between its scale's smallest and largest sweep sizes (gradaccum.cards;
-    with the sweep's spec, the planner's two lines)."""
-    sizes = p.scale_settings(spec.scale).sweep_micro_batches
-    return peak_line(Step.of(spec), (sizes[0], sizes[-1]), spec.device)
-
-
 def tutorial_settings(p: Params) -> Params:
     """params at the tutorial's own settings, whatever params.yaml says: its batch and its accum (4 x 8192), so its
     claims are held against the step it measured, not against this run's (after `dvc exp run -S accum=8`)."""
@@ -364,20 +357,18 @@ def _job(p: Params, job: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
         return job, trace_variant(p, args[0], "study", fast_norm=True)
     if kind == "tutorial":
         return job, trace_variant(tutorial_settings(p), args[0], "study")
-    if kind == "cards":
-        from gradaccum import fit  # the engine that replays a step on each card is built on this module
+    from gradaccum import fit  # the cards: the engine that replays a step on each card is built on this module
 
-        return job, fit.study_cards(p, checkpointing=args[0] == "checkpointing")
-    return job, variant_line(p, sweep_spec(p, Hardware.nominal("study"), checkpointing=args[0] == "checkpointing"))
+    return job, fit.study_cards(p, checkpointing=args[0] == "checkpointing")
 
 
 def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every variant at both scales (the CPU scale with the real allocator's peak beside the trace), and the
-    sweep's model's lines (plain, with checkpointing) at the study scale and its fewest micro-batches on each of
+    sweep's model's fewest micro-batches (plain, with checkpointing) at the study scale on each of
     memory.cards_gb, replayed on the card (the GPU card table); in `workers` processes."""
     twins = {v: twin for v in p.variants if (twin := step_twin(p, v))}  # the same step but the lr: traced once
     jobs = [("variant", v, scale) for scale in DEVICES for v in p.variants if v not in twins]
-    jobs += [(job, kind) for job in ("line", "cards") for kind in ("plain", "checkpointing")]
+    jobs += [("cards", kind) for kind in ("plain", "checkpointing")]
     treatment = p.variants[p.roles.treatment]
     if (treatment.norm, treatment.swap) == ("group", "keep_act"):  # timm's fast norm against GroupNorm's float32
         jobs.append(("fast_norm", p.roles.treatment))
@@ -395,7 +386,6 @@ def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -
         log(f"trace: {row['variant']} at the {row['scale']} scale: {row.get('peak_mib', 0):.0f} MiB")
     return {
         "rows": rows,
-        "study_lines": {kind: done[("line", kind)] for kind in ("plain", "checkpointing")},
         "study_cards": {kind: done[("cards", kind)] for kind in ("plain", "checkpointing")},  # replayed on each card
         "fast_norm": [done[job] for job in jobs if job[0] == "fast_norm"],  # timm's fast norm, one variant
         "tutorial_settings": [done[job] for job in jobs if job[0] == "tutorial"],  # at 4 x 8192, whatever accum is

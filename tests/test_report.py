@@ -320,12 +320,10 @@ def trace_fixture(p: dict[str, Any]) -> dict[str, Any]:
                 row |= {"gpu_allocated_mib": row["peak_mib"] + 64, "gpu_reserved_mib": row["peak_mib"] * 1.05 + 64}
                 row |= {"gpu_context_mib": 500.0, "gpu_nvidia_smi_mib": row["gpu_reserved_mib"] + 500}
             rows.append(row)
-    line = {"fixed_mib": 105.0, "per_sample_mib": 0.78, "r2": 1.0}
-    lines = {"plain": line, "checkpointing": line | {"per_sample_mib": 0.2}}
     assumed = {"CUDA context": "500 MiB, assumed"}
     seconds = {"compute_seconds": 30.0, "stage_seconds": 34.0}
     tutorial = [r for r in rows if r["scale"] == "study" and r["variant"] in ("baseline", "tutorial_accumulation")]
-    out = {"format": 1, "rows": rows, "study_lines": lines, "tutorial_settings": tutorial}
+    out = {"format": 1, "rows": rows, "tutorial_settings": tutorial}
     return out | {"study_cards": study_cards(p["memory"]["cards_gb"]), "gpu_assumptions": assumed, **seconds}
 
 
