@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # Stage commands call `python`: the venv's, whether or not it is activated.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: repro test test-e2e bench device-bundle clean-venv
+.PHONY: repro test test-avx2 test-e2e bench device-bundle clean-venv
 
 $(BIN)/.installed: requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,13 @@ repro: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/ruff check gradaccum stages tests benchmarks
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# The numerical tests again on the kernels of a CPU with AVX2 and nothing newer: float results must hold on any
+# CPU, not only on this one's kernels. tests/test_kernels.py proves that PyTorch and oneDNN both took the setting.
+NUMERICAL := tests/test_kernels.py tests/test_models.py tests/test_accumulation.py tests/test_train.py \
+             tests/test_autocast_policy.py
+test-avx2: $(BIN)/.installed
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q -m "not slow" $(NUMERICAL)
 
 # The tests marked slow: the pipeline end to end on a fresh copy (dvc repro, dvc exp run, scripts/gpu_check.sh).
 test-e2e: $(BIN)/.installed

@@ -31,6 +31,7 @@ class Mutant:
     old: str
     new: str
     tests: tuple[str, ...]  # pytest targets, relative to the root
+    also: tuple[tuple[str, str], ...] = ()  # further (old, new) pieces of the same file, for a two-place change
 
 
 MUTANTS = (
@@ -112,6 +113,33 @@ MUTANTS = (
         ("tests/test_models.py::test_under_autocast_the_matrices_do_what_autocast_does_to_conv2d",),
     ),
     Mutant(
+        "the depthwise input gradient drops a corner tap",
+        "gradaccum/depthwise.py",
+        "grad_x = torch.bmm(g, tap_matrices(weight, index))",
+        "grad_x = torch.bmm(g, tap_matrices(weight, index.masked_fill(index == 0, index.max())))",
+        ("tests/test_models.py::test_under_autocast_the_matrices_do_what_autocast_does_to_conv2d",),
+    ),
+    Mutant(
+        "the depthwise input gradient with the kernel transposed",
+        "gradaccum/depthwise.py",
+        "grad_x = torch.bmm(g, tap_matrices(weight, index))",
+        "grad_x = torch.bmm(g, tap_matrices(weight.transpose(-1, -2), index))",
+        ("tests/test_models.py::test_under_autocast_the_matrices_do_what_autocast_does_to_conv2d",),
+    ),
+    Mutant(
+        "the depthwise input saved in float32, cast back for backward (same values, more memory)",
+        "gradaccum/depthwise.py",
+        "ctx.save_for_backward(x, weight, index)",
+        "ctx.save_for_backward(x.float(), weight, index)",
+        ("tests/test_models.py::test_under_autocast_the_matrices_do_what_autocast_does_to_conv2d",),
+        also=(
+            (
+                "x, weight, index = ctx.saved_tensors",
+                "x, weight, index = ctx.saved_tensors\n        x = x.to(weight.dtype)",
+            ),
+        ),
+    ),
+    Mutant(
         "speed ratios of the medians, not per round",
         "gradaccum/report/tables.py",
         "per_round = [m / r for m, r in zip(mine, ref, strict=True)]",
@@ -155,11 +183,11 @@ def copy_tree(dest: Path) -> None:
 def apply(mutant: Mutant, root: Path) -> None:
     path = root / mutant.path
     text = path.read_text()
-    if text.count(mutant.old) != 1:
-        raise ValueError(
-            f"mutant {mutant.name!r}: {mutant.path} holds {mutant.old!r} {text.count(mutant.old)} times, not once"
-        )
-    path.write_text(text.replace(mutant.old, mutant.new))
+    for old, new in ((mutant.old, mutant.new), *mutant.also):
+        if text.count(old) != 1:
+            raise ValueError(f"mutant {mutant.name!r}: {mutant.path} holds {old!r} {text.count(old)} times, not once")
+        text = text.replace(old, new)
+    path.write_text(text)
 
 
 def pytest(root: Path, tests: tuple[str, ...]) -> tuple[int, str]:

@@ -32,6 +32,18 @@ def native_bfloat16() -> bool:
         return False
 
 
+def kernels() -> tuple[str, str | None]:
+    """ATen's instruction set, and oneDNN's ceiling where one is set: the kernels a CPU run sums with.
+
+    Float results of two kernels agree only to their precision, so two CPUs (or one held to a smaller set by
+    ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2) train to slightly different losses: a record says which.
+    """
+    import torch
+
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")  # oneDNN reads either
+    return torch.backends.cpu.get_cpu_capability(), (isa.upper() if isa else None)
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -93,6 +105,7 @@ def describe(cuda: bool) -> dict[str, Any]:
     """Facts that decide results, and nothing that changes between two runs on one machine."""
     import torch
 
+    aten, onednn = kernels()
     info: dict[str, Any] = {
         "device": "cuda" if cuda else "cpu",
         "cpu": {
@@ -100,6 +113,8 @@ def describe(cuda: bool) -> dict[str, Any]:
             "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "native_bfloat16": native_bfloat16(),
+            "kernels": aten,
+            "onednn_max_isa": onednn,
         },
         "torch": torch.__version__,
     }

@@ -139,6 +139,8 @@ class Cpu(Facts):
     name: str
     cores: int | None = None
     native_bfloat16: bool  # oneDNN's bfloat16 kernels; without them bfloat16 is emulated, many times slower
+    kernels: str | None = None  # ATen's instruction set (AVX512, AVX2, DEFAULT): which sums, in which order
+    onednn_max_isa: str | None = None  # ONEDNN_MAX_CPU_ISA where it holds oneDNN below the CPU's best
 
 
 class Gpu(Facts):

@@ -15,7 +15,8 @@ def test_every_mutant_applies_once_and_names_tests_that_exist(mutant: mutants.Mu
     (tmp_path / mutant.path).parent.mkdir(parents=True)
     (tmp_path / mutant.path).write_text((mutants.ROOT / mutant.path).read_text())
     mutants.apply(mutant, tmp_path)
-    assert mutant.new in (tmp_path / mutant.path).read_text()
+    text = (tmp_path / mutant.path).read_text()
+    assert all(new in text for _, new in ((mutant.old, mutant.new), *mutant.also))
     for target in mutant.tests:
         file, _, name = target.partition("::")
         assert (mutants.ROOT / file).is_file(), target

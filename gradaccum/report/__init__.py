@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from gradaccum import planner
 from gradaccum.outputs import MissingInput
 from gradaccum.params import Params
-from gradaccum.records import Hardware, Plan, VariantRecord, invalid
+from gradaccum.records import Cpu, Hardware, Plan, VariantRecord, invalid
 from gradaccum.report import figures, tables, traced
 from gradaccum.report.document import Report
 from gradaccum.tutorial import CLAIM_TOLERANCE
@@ -131,6 +131,14 @@ def build(inputs: Inputs, found: tables.Findings) -> Report:
     return rep
 
 
+def cpu_kernels(cpu: Cpu) -> str:
+    """The kernels a CPU run summed with, where the record knows them: losses move with them (docs/results.md)."""
+    if cpu.kernels is None:
+        return ""
+    held = f", oneDNN held to {cpu.onednn_max_isa}" if cpu.onednn_max_isa else ""
+    return f", ATen's {cpu.kernels} kernels{held}"
+
+
 def what_ran(rep: Report, p: Params, hw: Hardware, prov: dict[str, Any]) -> None:
     """Provenance: scale, machine, data and its checksums, training settings, versions, the commit."""
     rep.heading("What ran")
@@ -138,7 +146,7 @@ def what_ran(rep: Report, p: Params, hw: Hardware, prov: dict[str, Any]) -> None
     where = (
         f"{hw.gpu.name} ({hw.gpu.memory_total_mib:.0f} MiB), driver {hw.gpu.driver}, CUDA {hw.gpu.cuda}"
         if hw.gpu and hw.device == "cuda"
-        else f"CPU only: {hw.cpu.name}, {hw.cpu.cores} cores"
+        else f"CPU only: {hw.cpu.name}, {hw.cpu.cores} cores{cpu_kernels(hw.cpu)}"
     )
     label = "the tutorial's study" if hw.scale == "study" else "the CPU scale (smaller than the tutorial's study)"
     fallback = " - the 5,000-digit fallback sample, NOT the full MNIST" if prov["kind"] == "fallback" else ""
