@@ -105,3 +105,26 @@ def test_repro_breakdown_splits_the_computation_from_the_overhead(workdir: Path)
     assert result["by_stage"]["sweep"]["process_s"] == 30.0
     printed = table(result)
     assert f"overhead {total - work:.0f} s = {(total - work) / total:.0%}" in printed and "train@baseline" in printed
+
+
+def test_cross_cpu_moves_a_variant_by_its_seed_by_seed_change(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The committed three-seed reference against a copy with one seed's baseline loss raised by 0.1: that variant
+    moves by 0.1 against its seed spread, the others by nothing, and the split's lr part by a third of it."""
+    import shutil
+
+    from benchmarks import cross_cpu
+    from gradaccum.records import VariantRecord
+
+    ref = Path(__file__).resolve().parent.parent / "reports/reference/cpu-2026-12-06-seeds3"
+    copy = tmp_path / "b"
+    shutil.copytree(ref, copy, ignore=shutil.ignore_patterns("*.png", "*.html", "live", "*.tsv", "*.csv"))
+    path = copy / "variants/baseline/metrics.json"
+    record = VariantRecord.read(path)
+    seeds = [record.seeds[0].model_copy(update={"final_train_loss": record.seeds[0].final_train_loss + 0.1})]
+    path.write_text(record.model_copy(update={"seeds": seeds + record.seeds[1:]}).model_dump_json())
+    a, b = cross_cpu.records(ref), cross_cpu.records(copy)
+    assert cross_cpu.compare(a["groupnorm"], b["groupnorm"]).endswith("| 0.0000 / 0.000 | 0.1664 | 0.00 |")
+    # seed 99's 2.1728 + 0.1 stays inside the other seeds' range (2.0804 to 2.3473): the spread is unchanged
+    assert cross_cpu.compare(a["baseline"], b["baseline"]).endswith("| 0.1000 / 0.000 | 0.2669 | 0.37 |")
+    base = cross_cpu.mean_loss(a["baseline"])
+    assert cross_cpu.mean_loss(b["baseline"]) == pytest.approx(base + 0.1 / 3)
