@@ -12,11 +12,11 @@ another seed would do, so no finding may rest on it.
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 from gradaccum.records import Hardware, VariantRecord
 from gradaccum.report import cpu_kernels
+from gradaccum.report.tables import seed_mean, seed_values
 
 
 def records(run: Path) -> dict[str, VariantRecord]:
@@ -36,20 +36,16 @@ def compare(a: VariantRecord, b: VariantRecord) -> str:
     """One table row: means, the largest per-seed move, and that move against the seed spread."""
     if not (a.fit and b.fit):
         return f"| `{a.variant}` | {'ran' if a.fit else 'not run'} | {'ran' if b.fit else 'not run'} | | | |"
-    la, lb = ([s.final_train_loss for s in r.seeds] for r in (a, b))
-    aa, ab = ([s.test_accuracy for s in r.seeds] for r in (a, b))
+    la, lb = (seed_values(r, "final_train_loss") for r in (a, b))
+    aa, ab = (seed_values(r, "test_accuracy") for r in (a, b))
     move = max(abs(x - y) for x, y in zip(la, lb, strict=True))
     acc_move = max(abs(x - y) for x, y in zip(aa, ab, strict=True))
     seeds = max(spread(la), spread(lb))
     return (
-        f"| `{a.variant}` | {statistics.mean(la):.4f} / {statistics.mean(aa):.3f} "
-        f"| {statistics.mean(lb):.4f} / {statistics.mean(ab):.3f} | {move:.4f} / {acc_move:.3f} "
+        f"| `{a.variant}` | {seed_mean(a, 'final_train_loss'):.4f} / {seed_mean(a, 'test_accuracy'):.3f} "
+        f"| {seed_mean(b, 'final_train_loss'):.4f} / {seed_mean(b, 'test_accuracy'):.3f} | {move:.4f} / {acc_move:.3f} "
         f"| {seeds:.4f} | {move / seeds:.2f} |"
     )
-
-
-def mean_loss(r: VariantRecord) -> float:
-    return statistics.mean(s.final_train_loss for s in r.seeds)
 
 
 def findings(run: dict[str, VariantRecord]) -> str:
@@ -58,8 +54,8 @@ def findings(run: dict[str, VariantRecord]) -> str:
         abs(x.final_train_loss - y.final_train_loss) / y.final_train_loss
         for x, y in zip(run["accumulation"].seeds, run["groupnorm"].seeds, strict=True)
     )
-    base, lr, gn = (mean_loss(run[n]) for n in ("baseline", "batchnorm_lr", "groupnorm"))
-    lr_spread = max(spread([s.final_train_loss for s in run[n].seeds]) for n in ("baseline", "batchnorm_lr"))
+    base, lr, gn = (seed_mean(run[n], "final_train_loss") for n in ("baseline", "batchnorm_lr", "groupnorm"))
+    lr_spread = max(spread(seed_values(run[n], "final_train_loss")) for n in ("baseline", "batchnorm_lr"))
     return (
         f"accumulation against groupnorm, seed by seed: {same:.1e} relative at most; of the fix's {base - gn:.4f} "
         f"off the loss the lr takes {base - lr:.4f} (seed spread {lr_spread:.4f}), the norm {lr - gn:.4f}"

@@ -29,7 +29,7 @@ print("aten", torch.backends.cpu.get_cpu_capability(), "kernels", *machine.kerne
 
 def has_avx2() -> bool:
     try:
-        return " avx2 " in f" {Path('/proc/cpuinfo').read_text().replace(chr(10), ' ')} "
+        return "avx2" in Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return False
 
