@@ -31,14 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from gradaccum import mnist, params, planner
-from gradaccum.accumulation import micro_batch_size, schedule
+from gradaccum.accumulation import accum_for, micro_batch_size, schedule
 from gradaccum.loop import make_optimizer, make_scaler, train_epoch
 from gradaccum.machine import cpu_name
 from gradaccum.memory import MemorySampler
-from gradaccum.models import build_model
+from gradaccum.models import build_model, spec_model
 from gradaccum.outputs import write_json
+from gradaccum.params import Params, Variant
 from gradaccum.records import Hardware
-from gradaccum.spec import AMP_DTYPES, amp, sweep_spec
+from gradaccum.spec import RunSpec, declared_spec, sweep_spec
 from gradaccum.sweep import run_point
 
 SIZES = {  # per device: images per timed run, micro-batch, effective batch, sweep sizes (fit / check)
@@ -90,12 +91,19 @@ def on_device(arrays: dict[str, Any], n: int, device: torch.device) -> tuple[tor
     return torch.from_numpy(arrays["train_x"][:n]).to(device), torch.from_numpy(arrays["train_y"][:n]).long().to(device)
 
 
-def setup(p: dict[str, Any], device: torch.device, norm: str = "group", matmul_depthwise: bool = True):
-    model = build_model(
-        **p.model.model_dump(), norm=norm, seed=p.seed, device=device, matmul_depthwise=matmul_depthwise
-    )
-    dtype = AMP_DTYPES[amp(device.type, p.train)]
-    return model, make_optimizer(model, lr=1e-4), make_scaler(device, dtype), dtype
+def bench_spec(p: Params, device: torch.device, norm: str = "group", accum: int = 1) -> RunSpec:
+    """A benchmark's run, resolved as the stages resolve a variant's: at accum 1 its micro-batch is its batch."""
+    hw = Hardware.nominal("study" if device.type == "cuda" else "cpu")
+    return declared_spec(p, hw, "bench", Variant(norm=norm, accum=accum, lr=1e-4, extra="seed"))
+
+
+def setup(p: Params, device: torch.device, norm: str = "group", matmul_depthwise: bool = True):
+    spec = bench_spec(p, device, norm)
+    if matmul_depthwise:
+        model = spec_model(spec, device=device)  # as the stages build it
+    else:  # timm's model as the tutorial built it, whatever the device
+        model = build_model(**p.model.model_dump(), norm=norm, seed=spec.seed, device=device, matmul_depthwise=False)
+    return model, make_optimizer(model, lr=spec.lr), make_scaler(device, spec.dtype), spec.dtype
 
 
 def bench_loops(p, device, s, arrays, repeats: int) -> dict[str, Any]:
@@ -103,7 +111,7 @@ def bench_loops(p, device, s, arrays, repeats: int) -> dict[str, Any]:
     from torchvision import datasets, transforms
 
     n, micro = s["images"], s["micro"]
-    accum = s["batch"] // micro
+    accum = accum_for(s["batch"], micro)
     images, labels = on_device(arrays, n, device)
     with tempfile.TemporaryDirectory() as tmp:
         write_idx(Path(tmp), arrays)
@@ -220,11 +228,11 @@ def bench_sampler(p, device, s, arrays, repeats: int) -> dict[str, Any]:
 
 def bench_planner(p, device: torch.device, s) -> dict[str, Any]:
     spec = sweep_spec(p, Hardware.nominal("study" if device.type == "cuda" else "cpu"), checkpointing=False)
-    fit_points = [run_point(spec, m, p.memory) for m in s["fit"]]
+    fit_points = [run_point(spec.at_micro(m), p.memory) for m in s["fit"]]
     fit = planner.fit_line([r["micro_batch"] for r in fit_points], [r["peak_mib"] for r in fit_points])
     rows = []
     for micro in s["check"]:
-        measured = run_point(spec, micro, p.memory)["peak_mib"]
+        measured = run_point(spec.at_micro(micro), p.memory)["peak_mib"]
         predicted = planner.predict_mib(fit, micro)
         rows.append(
             {

@@ -34,6 +34,31 @@ def micro_batch_size(batch: int, accum: int) -> int:
     return math.ceil(batch / accum)
 
 
+def accum_for(batch: int, micro: int) -> int:
+    """The fewest micro-batches of at most `micro` samples that make up `batch`: ceil(batch / micro), whose own
+    micro-batch, ceil(batch / accum), is then never above `micro`. The inverse of `micro_batch_size`."""
+    if not 1 <= micro:
+        raise ValueError(f"the micro-batch must be at least 1, got {micro}")
+    return math.ceil(batch / min(micro, batch))
+
+
+def fewest_for_micro(batch: int, accum: int) -> int:
+    """The fewest micro-batches with `accum`'s micro-batch size (of 8, accum 5 to 7 share 4's size, 2)."""
+    return accum_for(batch, micro_batch_size(batch, accum))
+
+
+def next_accum(batch: int, accum: int) -> int:
+    """The next accum up whose micro-batch is smaller (of 8: after 4, whose micro-batch is 2, comes 8)."""
+    micro = micro_batch_size(batch, accum)
+    return accum_for(batch, micro - 1) if micro > 1 else batch
+
+
+def previous_accum(batch: int, accum: int) -> int:
+    """The next accum down whose micro-batch is larger, the fewest of those (of 8: 8, then 4, 3, 2, 1)."""
+    below = fewest_for_micro(batch, accum) - 1
+    return fewest_for_micro(batch, below) if below >= 1 else 1
+
+
 def windows(n: int, micro: int, accum: int) -> list[list[MicroBatch]]:
     """Split n samples into micro-batches of `micro`, grouped `accum` to an optimizer step."""
     bounds = [(s, min(s + micro, n)) for s in range(0, n, micro)]

@@ -20,7 +20,7 @@ from typing import Any
 
 import pandas as pd
 
-from gradaccum import allocator, fit, models, params, trace
+from gradaccum import allocator, fit, models, params, planner, trace
 from gradaccum.models import IMAGE_SIZE
 from gradaccum.refusal import BadInput
 
@@ -33,7 +33,7 @@ def answer(p: params.Params, variants: list[str], cards_gb: list[float], scale: 
     has no accum to trace, the smallest accum on every card), found by gradaccum.fit's engine: a line between
     two traced sizes proposes it, and it is replayed on the card itself, raised or lowered to the fewest that
     fit."""
-    usable = tuple(fit.usable_mib(card, p.memory.safety_margin) for card in cards_gb)
+    usable = tuple(planner.card_usable_mib(card, p.memory.safety_margin) for card in cards_gb)
     rows = []
     for variant in variants:
         spec = trace.traced_spec(p, variant, scale)  # None with accum: auto
@@ -51,7 +51,7 @@ def answer(p: params.Params, variants: list[str], cards_gb: list[float], scale: 
             if on_card["fits"]:
                 row[f"{card:g} GB"] = "fits, cache freed" if on_card.get("cache_frees") else "fits"
                 continue
-            accum = engine.smallest_accum(u)
+            accum = engine.smallest_accum_by_replay(u)
             freed = ", cache freed" if accum and engine.on_card(accum, u).get("cache_frees") else ""
             row[f"{card:g} GB"] = f"accum {accum}{freed}" if accum else "no"
         rows.append(row)

@@ -20,10 +20,9 @@ import argparse
 import contextlib
 import difflib
 import json
-import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,13 +30,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from gradaccum import allocator, autocast_policy, planner, trace
-from gradaccum.accumulation import micro_batch_size
+from gradaccum.accumulation import accum_for, fewest_for_micro, micro_batch_size, next_accum, previous_accum
 from gradaccum.params import Params
 from gradaccum.records import Hardware, Line
 from gradaccum.refusal import BadInput, refuse
-from gradaccum.spec import AMP_DTYPES, RunSpec, sweep_spec
+from gradaccum.spec import AMP_DTYPES, RunSpec, other_precision, sweep_spec
 
-OTHER_PRECISION = {"float16": "float32", "bfloat16": "float32", "float32": "float16"}
 KINDS = {  # the trace's kinds -> what the printout calls them
     "weights": ("parameters_mib", "buffers_mib"),
     "gradients": ("gradients_mib",),
@@ -201,24 +199,26 @@ class Engine:
     def fits(self, accum: int, usable: float, checkpointing: bool | None = None, amp: str | None = None) -> bool:
         return self.on_card(accum, usable, checkpointing, amp)["fits"]
 
-    def smallest_accum(self, usable: float, checkpointing: bool | None = None, amp: str | None = None) -> int | None:
+    def smallest_accum_by_replay(
+        self, usable: float, checkpointing: bool | None = None, amp: str | None = None
+    ) -> int | None:
         """The fewest micro-batches whose step fits a card leaving `usable` MiB (`on_card`); None if micro-batches
-        of two samples do not (one sample cannot train a BatchNorm model). Proposed by a line through two traced
-        sizes' nvidia-smi figures on an endless card (trace.peak_line's reasoning: backward's part grows with the
+        of two samples do not (one sample cannot train a BatchNorm model). Proposed by the planner's search on a
+        line through two traced sizes' nvidia-smi figures on an endless card (backward's part grows with the
         micro-batch), then replayed on the card itself: raised until it fits, lowered while the one below fits
         too (freeing the cache can fit a step whose endless-card figure does not)."""
         batch = self.batch
         if self.fits(1, usable, checkpointing, amp):
             return 1
         low = min(2, batch)
-        smallest = math.ceil(batch / low)  # the accum of micro-batches of `low` samples
+        smallest = accum_for(batch, low)  # the accum of micro-batches of `low` samples
         if smallest == 1 or not self.fits(smallest, usable, checkpointing, amp):
             return None
         high = max(low + 1, batch // 2)
         low_need, high_need = (trace.figure(self.trace(m, 2, checkpointing, amp)) for m in (low, high))
         per_sample = (high_need - low_need) / (high - low)
         line = Line(fixed_mib=low_need - per_sample * low, per_sample_mib=per_sample)
-        accum = fewest_for_micro(batch, max(2, planner.smallest_accum(line, usable, batch) or smallest))
+        accum = fewest_for_micro(batch, max(2, planner.smallest_accum_by_line(line, usable, batch) or smallest))
         while accum < smallest and not self.fits(accum, usable, checkpointing, amp):
             accum = next_accum(batch, accum)
         while accum > 2 and self.fits(previous_accum(batch, accum), usable, checkpointing, amp):
@@ -238,7 +238,7 @@ def question_engine(q: Question) -> Engine:
             q.optimizer, q.channels_last, q.torch_version,
         )  # fmt: skip
 
-    usable = tuple(usable_mib(card, q.margin) for card in q.cards)
+    usable = tuple(planner.card_usable_mib(card, q.margin) for card in q.cards)
     return Engine(q.model, q.batch, make, q.checkpointing, q.amp, autocast_policy.CUDA, q.gpu, usable)
 
 
@@ -247,8 +247,7 @@ def spec_engine(spec: RunSpec, cards_mib: tuple[float, ...] = ()) -> Engine:
     each trace replayed on cards leaving `cards_mib`."""
 
     def make(micro: int, accum: int, checkpointing: bool, amp: str) -> trace.Step:
-        step = trace.Step.of(spec.model_copy(update={"checkpointing": checkpointing}))
-        return replace(step, micro=micro, accum=accum, dtype=AMP_DTYPES[amp])
+        return trace.Step.of(spec.at(accum=accum, checkpointing=checkpointing, amp=amp).at_micro(micro))
 
     return Engine(spec.variant, spec.batch, make, spec.checkpointing, spec.amp, spec.device, cards_mib=cards_mib)
 
@@ -258,11 +257,11 @@ def study_cards(p: Params, checkpointing: bool) -> list[dict[str, Any]]:
     memory.cards_gb less memory.safety_margin: the fewest micro-batches whose step, replayed on the card, fits,
     its nvidia-smi figure there and how often the allocator freed its cache to fit."""
     spec = sweep_spec(p, Hardware.nominal("study"), checkpointing)
-    usable = tuple(usable_mib(card, p.memory.safety_margin) for card in p.memory.cards_gb)
+    usable = tuple(planner.card_usable_mib(card, p.memory.safety_margin) for card in p.memory.cards_gb)
     engine = spec_engine(spec, usable)
     rows = []
     for card, u in zip(p.memory.cards_gb, usable, strict=True):
-        accum = engine.smallest_accum(u)
+        accum = engine.smallest_accum_by_replay(u)
         row: dict[str, Any] = {"card_gb": card, "usable_mib": round(u), "accum": accum}
         if accum:
             on_card = engine.on_card(accum, u)
@@ -270,31 +269,6 @@ def study_cards(p: Params, checkpointing: bool) -> list[dict[str, Any]]:
             row["cache_frees"] = on_card["cache_frees"]
         rows.append(row)
     return rows
-
-
-def usable_mib(card_gb: float, margin: float) -> float:
-    """What a card leaves a step, in MiB: the card less the safety margin (params.yaml's memory.safety_margin)."""
-    return card_gb * planner.GIB_MIB * (1 - margin)
-
-
-def previous_accum(batch: int, accum: int) -> int:
-    """The next accum down whose micro-batch is larger, the smallest of those (of 8: 8, then 4, 3, 2, 1)."""
-    below = fewest_for_micro(batch, accum) - 1
-    return fewest_for_micro(batch, below) if below > 1 else 1
-
-
-def fewest_for_micro(batch: int, accum: int) -> int:
-    """The fewest micro-batches with `accum`'s micro-batch size (of 8, accum 5 to 7 share 4's size, 2)."""
-    micro = micro_batch_size(batch, accum)
-    while accum > 1 and micro_batch_size(batch, accum - 1) == micro:
-        accum -= 1
-    return accum
-
-
-def next_accum(batch: int, accum: int) -> int:
-    """The next accum up whose micro-batch is smaller (accum 5 and 6 of 8 share micro-batch 2)."""
-    micro = micro_batch_size(batch, accum)
-    return math.ceil(batch / (micro - 1)) if micro > 1 else batch
 
 
 def option(engine: Engine, accum: int | None, usable: float, checkpointing: bool, amp: str) -> dict[str, Any] | None:
@@ -340,18 +314,18 @@ def answer(q: Question) -> dict[str, Any]:
         "context_mib": round(row["gpu_context_mib"], 1),
         "cards": [],
     }
-    other, torchvision = OTHER_PRECISION[q.amp], q.model.startswith("torchvision:")
+    other, torchvision = other_precision(q.amp, "cuda"), q.model.startswith("torchvision:")
     for card, usable in zip(q.cards, engine.cards_mib, strict=True):
         on_card = engine.on_card(accum, usable)
         entry: dict[str, Any] = {"card_gb": card} | on_card
-        smallest = engine.smallest_accum(usable, q.checkpointing, q.amp)  # fewer than --accum may fit too
+        smallest = engine.smallest_accum_by_replay(usable, q.checkpointing, q.amp)  # fewer than --accum may fit too
         entry["smallest_accum"] = option(engine, smallest, usable, q.checkpointing, q.amp)
         if not on_card["fits"]:  # what the other levers would need instead
             if not (q.checkpointing or torchvision):  # torchvision's models have no checkpointing switch
-                with_ckpt = engine.smallest_accum(usable, True, q.amp)
+                with_ckpt = engine.smallest_accum_by_replay(usable, True, q.amp)
                 entry["with_checkpointing"] = option(engine, with_ckpt, usable, True, q.amp)
             entry["other_precision"] = option(
-                engine, engine.smallest_accum(usable, q.checkpointing, other), usable, q.checkpointing, other
+                engine, engine.smallest_accum_by_replay(usable, q.checkpointing, other), usable, q.checkpointing, other
             )
         out["cards"].append(entry)
     return out

@@ -6,13 +6,12 @@ From a line (records.Line): for an effective batch and a card size, the largest 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from gradaccum.accumulation import micro_batch_size
+from gradaccum.accumulation import accum_for, micro_batch_size
 from gradaccum.records import Line, Plan
 
 GIB_MIB = 1024  # card sizes are in GB as vendors and nvidia-smi's MiB/1024 use them
@@ -73,15 +72,21 @@ def largest_micro_batch(line: Line, budget_mib: float, batch: int) -> int:
     return low
 
 
-def smallest_accum(line: Line, budget_mib: float, batch: int) -> int | None:
-    """The fewest micro-batches per step whose micro-batch, ceil(batch / accum), fits; None if none does."""
+def usable_mib(memory_mib: float, margin: float) -> float:
+    """What a device leaves a step: its memory less the safety margin (params.yaml's memory.safety_margin)."""
+    return memory_mib * (1 - margin)
+
+
+def card_usable_mib(card_gb: float, margin: float) -> float:
+    """`usable_mib` of a card given in GB, as vendors and nvidia-smi's MiB / 1024 give it."""
+    return usable_mib(card_gb * GIB_MIB, margin)
+
+
+def smallest_accum_by_line(line: Line, budget_mib: float, batch: int) -> int | None:
+    """The fewest micro-batches per step whose micro-batch the line predicts to fit; None if none does.
+    (gradaccum.fit's engine proposes with this, then replays the step on the card itself.)"""
     largest = largest_micro_batch(line, budget_mib, batch)
-    if largest < 1:
-        return None
-    accum = math.ceil(batch / largest)
-    while micro_batch_size(batch, accum) > largest:  # ceil rounding can push the micro-batch one over
-        accum += 1
-    return accum
+    return accum_for(batch, largest) if largest >= 1 else None
 
 
 def options(lines: dict[bool, Line], speeds: Speeds, budget_mib: float, batch: int) -> list[dict[str, Any]]:
@@ -95,7 +100,7 @@ def options(lines: dict[bool, Line], speeds: Speeds, budget_mib: float, batch: i
     """
     rows = []
     for checkpointing, line in lines.items():
-        accum = smallest_accum(line, budget_mib, batch)
+        accum = smallest_accum_by_line(line, budget_mib, batch)
         if accum is None:
             continue
         micro = micro_batch_size(batch, accum)
@@ -124,8 +129,8 @@ def card_table(
     """Per card: the plain line's largest micro-batch and smallest accum, and with `lines`, both options."""
     rows = []
     for card in cards_gb:
-        budget = card * GIB_MIB * (1 - margin)
-        accum = smallest_accum(line, budget, batch)
+        budget = card_usable_mib(card, margin)
+        accum = smallest_accum_by_line(line, budget, batch)
         row = {
             "card_gb": card,
             "usable_mib": round(budget),
@@ -161,5 +166,5 @@ def cards_for(plan: Plan, cards_gb: Sequence[float], margin: float) -> list[dict
 def this_machine_options(plan: Plan) -> list[dict[str, Any]]:
     """The options that fit this machine's memory (less the safety margin the sweep used), fastest first."""
     machine = plan.this_machine
-    budget = machine.memory_mib * (1 - machine.safety_margin)
+    budget = usable_mib(machine.memory_mib, machine.safety_margin)
     return options(plan.lines, measured_speeds(plan), budget, plan.batch)

@@ -9,10 +9,10 @@ here.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import ConfigDict
+from pydantic import ConfigDict, model_validator
 
 from gradaccum import planner
 from gradaccum.accumulation import micro_batch_size
@@ -36,7 +36,7 @@ class RunSpec(Settings):
     amp: Literal["float16", "bfloat16", "float32"]
     weight_decay: float
     world: int  # processes; a window is accum x world micro-batches
-    eval_batch: int  # never above the micro-batch, so evaluation fits wherever training does
+    eval_batch_limit: int  # train.eval_batch: evaluation's batch at most (`eval_batch`)
     epochs: int
     train_samples: int
     test_samples: int
@@ -47,12 +47,50 @@ class RunSpec(Settings):
     not_run: str | None = None  # left out on purpose, before anything is built
     over_budget: DidNotFit | None = None  # on a CPU, the planner's verdict: the kernel would kill it, not raise
 
+    @model_validator(mode="before")
+    @classmethod
+    def derive_micro_batch(cls, data: Any) -> Any:
+        """The micro-batch follows from the batch and the window (accum x world); one given must agree."""
+        if isinstance(data, dict) and {"batch", "accum", "world"} <= data.keys():
+            micro = micro_batch_size(data["batch"], data["accum"] * data["world"])
+            if data.setdefault("micro_batch", micro) != micro:
+                raise ValueError(
+                    f"micro_batch {data['micro_batch']} is not ceil(batch {data['batch']} / (accum {data['accum']} "
+                    f"x world {data['world']})) = {micro}"
+                )
+        return data
+
     @property
     def dtype(self) -> torch.dtype | None:
         return AMP_DTYPES[self.amp]
 
+    @property
+    def eval_batch(self) -> int:
+        """Never above the micro-batch, so evaluation fits wherever training does."""
+        return min(self.eval_batch_limit, self.micro_batch)
+
+    def at(self, **changes: Any) -> RunSpec:
+        """This spec with `changes` (accum, checkpointing, amp, ...), validated again and its micro-batch derived
+        again: the one way, besides `resolve`, to make a spec."""
+        return RunSpec.model_validate(self.model_dump(exclude={"micro_batch"}) | changes)
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> RunSpec:
+        if update:  # pydantic's copy skips validation: a spec so made could carry a micro-batch it does not run
+            raise TypeError("a RunSpec is changed with .at(...) or .at_micro(...), which validate; not model_copy")
+        return super().model_copy(deep=deep)
+
+    def at_micro(self, micro: int) -> RunSpec:
+        """The same window of `accum` x `world` micro-batches, each of `micro` samples (a sweep point)."""
+        return self.at(batch=micro * self.accum * self.world)
+
     def runs(self) -> bool:
         return self.not_run is None and self.over_budget is None
+
+    def why_not(self) -> dict[str, str]:
+        """Why a spec that does not run is left out, keyed as the speed record keys it."""
+        if self.not_run:
+            return {"not_run": self.not_run}
+        return {"did_not_fit": self.over_budget.reason} if self.over_budget else {}
 
 
 def check_distributed(p: Params, hw: Hardware) -> None:
@@ -68,11 +106,15 @@ def check_distributed(p: Params, hw: Hardware) -> None:
 def amp(device: str, train: Train, precision: str = "default") -> str:
     """float16 needs a GradScaler (small gradients underflow); bfloat16 has float32's range and does not.
 
-    precision="other" is the precision lever: float32 where the default autocasts, else autocast."""
+    precision="other" is the precision lever (`other_precision`)."""
     default = train.amp_cuda if device == "cuda" else train.amp_cpu
-    if precision == "default":
-        return default
-    return "float32" if default != "float32" else ("float16" if device == "cuda" else "bfloat16")
+    return default if precision == "default" else other_precision(default, device)
+
+
+def other_precision(amp: str, device: str) -> str:
+    """The precision lever: float32 where `amp` autocasts, else the device's autocast dtype (float16 on a GPU,
+    bfloat16 on a CPU, which has no float16 kernels worth timing)."""
+    return "float32" if amp != "float32" else ("float16" if device == "cuda" else "bfloat16")
 
 
 def resolve(
@@ -85,7 +127,7 @@ def resolve(
     accum = accum or variant_accum(p, variant, plan, hw.scale, world)
     micro = micro_batch_size(scale.batch, accum * world)
     precision = amp(hw.device, p.train, v.precision)
-    spec = RunSpec(
+    return RunSpec(
         variant=variant,
         scale=hw.scale,
         device=hw.device,
@@ -97,16 +139,14 @@ def resolve(
         accum=accum,
         accum_setting=accum_setting(p, v),
         world=world,
-        micro_batch=micro,
-        eval_batch=min(p.train.eval_batch, micro),
+        eval_batch_limit=p.train.eval_batch,
         sync_batchnorm=p.distributed.sync_batchnorm and v.norm == "batch" and world > 1,
         seed=p.seed,
         seeds=p.seeds,
         memory_interval_ms=p.memory.interval_ms,
         same_step_as=step_twin(p, variant),
-    )
-    return spec.model_copy(
-        update={"not_run": emulated(p, hw, precision), "over_budget": over_budget(p, hw, micro, plan, world)}
+        not_run=emulated(p, hw, precision),
+        over_budget=over_budget(p, hw, micro, plan, world),
     )
 
 
@@ -162,7 +202,7 @@ def auto_accum(plan: Plan | None, checkpointing: bool) -> int:
     accum = plan.auto(checkpointing)
     if accum is None:
         budget = plan.this_machine
-        usable = budget.memory_mib * (1 - budget.safety_margin)
+        usable = planner.usable_mib(budget.memory_mib, budget.safety_margin)
         raise ParamsError(
             f"params.yaml: accum = 'auto' finds nothing that fits "
             f"({'checkpointing' if checkpointing else 'accumulation'}): the planner predicts "

@@ -32,8 +32,8 @@ def time_variants(specs: list[RunSpec], data: dict[str, torch.Tensor], rounds: i
     for spec in specs:
         if spec.same_step_as:  # the same step as an earlier variant but for its lr: timed once, as that one
             continue
-        if spec.not_run:  # decided before any model is built
-            out[spec.variant] = {"not_run": spec.not_run}
+        if not spec.runs():  # decided before any model is built, as the train stage decides it
+            out[spec.variant] = spec.why_not()
             continue
         model = variant_model(spec, spec.seed, device)  # one process: no DDP, no SyncBatchNorm
         opt, scaler = make_optimizer(model, spec.lr, spec.weight_decay), make_scaler(device, spec.dtype)

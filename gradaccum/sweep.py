@@ -5,7 +5,7 @@ high-water mark (CPU) and the CUDA context and caches (GPU) belong to that point
 in a train stage. Not forked from a process that has imported torch: that saves 3-4 s of imports a
 point, but a forked child's RSS leaves out the library pages its parent faulted in, and the fit's
 fixed part came out ~290 MiB low (529 against 817 MiB, measured), an under-estimate of every
-training peak. Every point measures the same run spec (spec.sweep_spec) at a micro-batch of its own.
+training peak. Every point measures the same run spec (spec.sweep_spec) at a micro-batch of its own (at_micro).
 """
 
 from __future__ import annotations
@@ -49,21 +49,21 @@ POINT_COMMAND = (sys.executable, "-m", "gradaccum.sweep_point")  # reads the spe
 
 def run_point(
     spec: RunSpec,
-    micro: int,
     memory: Memory,
     command: tuple[str, ...] = POINT_COMMAND,
     test_samples: int = 1000,
     last: int = 0,
 ) -> dict[str, Any]:
-    """measure_point of `spec` at `micro` in a fresh interpreter, whose last line of output is the row as JSON.
+    """measure_point of `spec` (at its micro-batch: `RunSpec.at_micro`) in a fresh interpreter, whose last line of
+    output is the row as JSON.
 
     A point that refuses its input raises refusal.Refused with its one line, no traceback.
     Out of memory is a row that did not fit: PyTorch's OutOfMemoryError inside the point (GPU), a failed
     allocation (CPU), or the kernel's out-of-memory killer ending it with SIGKILL (CPU). Any other failure,
     and a point still running after memory.sweep_timeout_s, raises SweepError with what the point printed last.
     """
-    args = [*command, "--point", str(micro), "--steps", str(memory.sweep_steps)]
-    args += ["--test-samples", str(test_samples), "--last", str(last)]
+    micro = spec.micro_batch
+    args = [*command, "--steps", str(memory.sweep_steps), "--test-samples", str(test_samples), "--last", str(last)]
     what = f"sweep point micro-batch {micro}{' (checkpointing)' if spec.checkpointing else ''}"
     try:
         proc = subprocess.run(
@@ -110,7 +110,7 @@ def sweep(p: params.Params, hw: Hardware, log: Any = print) -> Plan:
         spec = sweep_spec(p, hw, checkpointing)
         for micro in scale.sweep_micro_batches:
             last = scale.train_samples % micro  # training's epoch ends with this short micro-batch
-            row = run_point(spec, micro, p.memory, test_samples=scale.test_samples, last=last)
+            row = run_point(spec.at_micro(micro), p.memory, test_samples=scale.test_samples, last=last)
             log(
                 f"sweep: micro-batch {micro}{' (checkpointing)' if checkpointing else ''}: "
                 + (f"peak {row['peak_mib']} MiB" if row["fit"] else f"did not fit ({row['error']})")
@@ -121,7 +121,7 @@ def sweep(p: params.Params, hw: Hardware, log: Any = print) -> Plan:
         fitted = [r for r in rows if r["fit"] and r["checkpointing"] == checkpointing]
         lines[checkpointing] = planner.fit_line([r["micro_batch"] for r in fitted], [r["peak_mib"] for r in fitted])
     memory_mib, memory_what = device_memory_mib(hw, p)
-    usable = memory_mib * (1 - p.memory.safety_margin)
+    usable = planner.usable_mib(memory_mib, p.memory.safety_margin)
     return Plan(
         format=PLAN_FORMAT,
         device=hw.device,
@@ -132,6 +132,6 @@ def sweep(p: params.Params, hw: Hardware, log: Any = print) -> Plan:
         line_checkpointing=lines[True],
         points=rows,
         this_machine=Budget(memory_mib=round(memory_mib), what=memory_what, safety_margin=p.memory.safety_margin),
-        auto_accum=planner.smallest_accum(lines[False], usable, scale.batch),  # no checkpointing: faster
-        auto_accum_checkpointing=planner.smallest_accum(lines[True], usable, scale.batch),
+        auto_accum=planner.smallest_accum_by_line(lines[False], usable, scale.batch),  # no checkpointing: faster
+        auto_accum_checkpointing=planner.smallest_accum_by_line(lines[True], usable, scale.batch),
     )

@@ -1,6 +1,6 @@
 """One point of the memory sweep, in the fresh process `gradaccum.sweep.run_point` starts.
 
-echo "$SPEC_JSON" | python -m gradaccum.sweep_point --point 256 --steps 2   # prints the row as JSON
+echo "$SPEC_JSON" | python -m gradaccum.sweep_point --steps 2   # the spec at the point's micro-batch; prints the row
 """
 
 from __future__ import annotations
@@ -24,16 +24,17 @@ from gradaccum.spec import RunSpec
 from gradaccum.sweep import POINT_COLUMNS
 
 
-def measure_point(spec: RunSpec, micro: int, steps: int, test_samples: int = 1000, last: int = 0) -> dict[str, Any]:
-    """`steps` optimizer steps of the real training loop at one micro-batch size (the spec's model at accum 1),
-    as training runs them: the steps and the epoch's short last micro-batch of `last` samples, an evaluation of
+def measure_point(spec: RunSpec, steps: int, test_samples: int = 1000, last: int = 0) -> dict[str, Any]:
+    """`steps` windows of the real training loop at the spec's micro-batch (the sweep's: accum 1), as training runs
+    them: the steps and the epoch's short last micro-batch of `last` samples, an evaluation of
     `test_samples` images, the same again. Each shape the allocator serves leaves the heap more fragmented and
     the next peak higher, so a sweep without the short micro-batch and the evaluation would predict a peak
     below the one training reaches."""
     device = torch.device(spec.device)
     model, dtype = variant_model(spec, spec.seed, device), spec.dtype
     opt, scaler = make_optimizer(model, spec.lr, spec.weight_decay), make_scaler(device, dtype)
-    n, classes = micro * steps + last, spec.model.num_classes
+    micro, classes = spec.micro_batch, spec.model.num_classes
+    n = micro * spec.accum * steps + last
     images = torch.randint(0, 256, (n, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8, device=device)
     labels = torch.randint(0, classes, (n,), device=device)
     test_images = torch.randint(0, 256, (test_samples, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8, device=device)
@@ -42,7 +43,7 @@ def measure_point(spec: RunSpec, micro: int, steps: int, test_samples: int = 100
     row.update(micro_batch=micro, checkpointing=spec.checkpointing, fit=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    order, batches = torch.arange(n, device=device), schedule(n, micro, 1)
+    order, batches = torch.arange(n, device=device), schedule(n, micro, spec.accum)
     try:
         seconds = 0.0
         for epoch in range(2):  # steps, the evaluation training does between epochs, steps again
@@ -52,7 +53,7 @@ def measure_point(spec: RunSpec, micro: int, steps: int, test_samples: int = 100
                 torch.cuda.synchronize()
             seconds += time.perf_counter() - start
             if epoch == 0:  # its other-shaped buffers (the last chunk too) leave the allocator's heap fragmented,
-                evaluate(model, test_images, test_labels, min(spec.eval_batch, micro), dtype)  # so later peaks rise
+                evaluate(model, test_images, test_labels, spec.eval_batch, dtype)  # so later peaks rise
         row["seconds"] = round(seconds, 2)  # the first step's warm-up included
         row["images_per_s"] = round(2 * n / row["seconds"], 1)
     except Exception as err:
@@ -76,17 +77,16 @@ def measure_point(spec: RunSpec, micro: int, steps: int, test_samples: int = 100
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="measure one micro-batch size of the sweep and print its JSON")
-    parser.add_argument("--point", type=int, required=True, help="the micro-batch size")
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps per pass (memory.sweep_steps)")
     parser.add_argument("--test-samples", type=int, default=1000, help="images evaluated between the two epochs")
     parser.add_argument("--last", type=int, default=0, help="samples in the short last micro-batch of an epoch")
     args = parser.parse_args()
-    spec = RunSpec.model_validate_json(sys.stdin.read())  # resolved by the parent already
+    spec = RunSpec.model_validate_json(sys.stdin.read())  # resolved by the parent, at the point's micro-batch
     try:
         check_input(spec.model)  # a model that cannot take the images, refused by name (0.1 s)
     except ModelInputError as err:  # one line for the sweep stage to pass on, not a traceback
         refuse(err)
     with contextlib.suppress(ImportError):  # a train stage holds DVCLive's modules (39 MiB of RSS) at its peak
         import dvclive  # noqa: F401
-    row = measure_point(spec, args.point, args.steps, args.test_samples, args.last)
+    row = measure_point(spec, args.steps, args.test_samples, args.last)
     print(json.dumps(row))

@@ -9,7 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-from gradaccum.accumulation import micro_batch_size, relative_difference, schedule, windows
+from gradaccum.accumulation import (
+    accum_for,
+    fewest_for_micro,
+    micro_batch_size,
+    next_accum,
+    previous_accum,
+    relative_difference,
+    schedule,
+    windows,
+)
 from gradaccum.gradcheck import full_gradient, loop_gradients, window_differences
 from gradaccum.models import build_model
 
@@ -118,3 +127,23 @@ def test_tutorial_schedule_divides_by_accum_and_carries_the_rest() -> None:
     assert flushed[-1].step and flushed[-1].weight == pytest.approx(1 / 3)  # one correction alone
     with pytest.raises(ValueError, match="weighting must be one of exact, divide"):
         schedule(70, 10, 3, weighting="mean")
+
+
+def test_accum_for_is_the_fewest_micro_batches_of_at_most_that_size() -> None:
+    """Checked against the definition on every batch to 200: the planner, fit and the benchmarks count on it."""
+    for batch in range(1, 201):
+        for micro in range(1, batch + 2):
+            accum = accum_for(batch, micro)
+            assert micro_batch_size(batch, accum) <= micro
+            assert accum == 1 or micro_batch_size(batch, accum - 1) > micro  # one fewer would not do
+        for accum in range(1, batch + 1):
+            micro, fewest = micro_batch_size(batch, accum), fewest_for_micro(batch, accum)
+            assert micro_batch_size(batch, fewest) == micro and (
+                fewest == 1 or micro_batch_size(batch, fewest - 1) > micro
+            )
+            if micro > 1:  # the fewest micro-batches of a smaller size
+                up = next_accum(batch, accum)
+                assert micro_batch_size(batch, up) < micro <= micro_batch_size(batch, up - 1)
+            if fewest > 1:
+                previous = previous_accum(batch, accum)
+                assert micro_batch_size(batch, previous) > micro and fewest_for_micro(batch, previous) == previous

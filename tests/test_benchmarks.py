@@ -65,8 +65,10 @@ def test_every_benchmark_line_prints_the_recorded_figures() -> None:
         "loop_vs_tutorial": lambda r: [f"ratio {r['ratio']:.2f}", f"ratio {r['loop_only_ratio']:.2f}"],
         "accumulation_cost": lambda r: [f"4/1 {r['accum_4_over_1']:.2f}", f"8/1 {r['accum_8_over_1']:.2f}"],
         "sampler_overhead": lambda r: [f"overhead {r['overhead']:+.2%}", f"{r['duty_cycle']:.3%} of the interval"],
-        "planner": lambda r: [f"{r['fit']['per_sample_mib']:.3f} MiB/sample"]
-        + [f"predicted/measured {c['predicted_over_measured']:.3f}" for c in r["checks"]],
+        "planner": lambda r: (
+            [f"{r['fit']['per_sample_mib']:.3f} MiB/sample"]
+            + [f"predicted/measured {c['predicted_over_measured']:.3f}" for c in r["checks"]]
+        ),
         "ddp_no_sync": lambda r: [f"per window {r['allreduces_per_window_no_sync']:.0f} with no_sync"],
     }
     assert set(shown) == set(LINES) - {"planner_check"}
@@ -81,7 +83,9 @@ def test_the_planner_benchmark_holds_the_fit_against_points_it_did_not_see(monke
     from benchmarks import run
 
     peaks = {8: 516.0, 16: 532.0, 32: 540.0}
-    monkeypatch.setattr(run, "run_point", lambda spec, micro, memory: {"micro_batch": micro, "peak_mib": peaks[micro]})
+    monkeypatch.setattr(
+        run, "run_point", lambda spec, memory: {"micro_batch": spec.micro_batch, "peak_mib": peaks[spec.micro_batch]}
+    )
     p = params.load(Path(__file__).resolve().parent.parent / "params.yaml", model_names=False)
     result = run.bench_planner(p, torch.device("cpu"), {"fit": [8, 16], "check": [32]})
     assert result["fit"]["fixed_mib"] == pytest.approx(500.0) and result["fit"]["per_sample_mib"] == pytest.approx(2.0)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gradaccum import allocator, autocast_policy, fit, trace
-from gradaccum.accumulation import micro_batch_size
+from gradaccum.accumulation import micro_batch_size, previous_accum
 from gradaccum.refusal import REFUSED
 
 MIB = 2**20
@@ -67,9 +67,9 @@ def test_the_smallest_accum_is_traced_and_raised_until_it_fits() -> None:
     half = (whole + allocator.CUDA_CONTEXT / MIB) / 2 / 1024  # a card about half what the whole batch needs
     engine = fit.question_engine(replace(q, cards=(half,), margin=0.0))
     (usable,) = engine.cards_mib
-    accum = engine.smallest_accum(usable)
+    accum = engine.smallest_accum_by_replay(usable)
     assert accum is not None and 1 < accum < 256
-    assert engine.fits(accum, usable) and not engine.fits(fit.previous_accum(256, accum), usable)
+    assert engine.fits(accum, usable) and not engine.fits(previous_accum(256, accum), usable)
     assert micro_batch_size(256, accum - 1) > micro_batch_size(256, accum)
 
 

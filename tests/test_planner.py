@@ -32,15 +32,15 @@ def test_fit_needs_two_sizes() -> None:
 def test_largest_micro_batch_and_smallest_accum() -> None:
     budget = 1000 + 3.5 * 8192  # exactly 8192 samples fit
     assert planner.largest_micro_batch(MODEL, budget, 32768) == 8192
-    assert planner.smallest_accum(MODEL, budget, 32768) == 4
+    assert planner.smallest_accum_by_line(MODEL, budget, 32768) == 4
     assert planner.largest_micro_batch(MODEL, 1e9, 32768) == 32768  # never more than the batch
-    assert planner.smallest_accum(MODEL, 1e9, 32768) == 1
-    assert planner.smallest_accum(MODEL, 900, 32768) is None  # the fixed part alone does not fit
+    assert planner.smallest_accum_by_line(MODEL, 1e9, 32768) == 1
+    assert planner.smallest_accum_by_line(MODEL, 900, 32768) is None  # the fixed part alone does not fit
 
 
 def test_smallest_accum_accounts_for_ceil() -> None:
     model = Line(fixed_mib=0.0, per_sample_mib=1.0)
-    accum = planner.smallest_accum(model, 3, 10)  # at most 3 per micro-batch: ceil(10/4) = 3 fits, accum 4
+    accum = planner.smallest_accum_by_line(model, 3, 10)  # at most 3 per micro-batch: ceil(10/4) = 3 fits, accum 4
     assert accum == 4 and math.ceil(10 / accum) <= 3
 
 

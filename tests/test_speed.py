@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
-from gradaccum import params
-from gradaccum.records import Cpu, Hardware
+from gradaccum import params, speed
+from gradaccum.records import Cpu, Hardware, Plan
 from gradaccum.report.tables import SpeedRatio, speed_ratios
 from gradaccum.spec import resolve
 from gradaccum.speed import time_variants
@@ -42,3 +43,25 @@ def test_a_speed_ratio_pairs_each_round_with_the_references_same_round() -> None
     speed["variants"]["accumulation"]["images_per_s"] = [50.0, 300.0, 90.0]
     got = speed_ratios(speed, "groupnorm")["accumulation"]
     assert got == SpeedRatio(median=0.9, min=0.5, max=1.5, rounds=3, faster=1, slower=2)
+
+
+def test_a_variant_the_planner_puts_over_the_host_budget_is_not_stepped(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The train stage leaves such a variant out (the kernel would kill it, not raise); the speed stage must too."""
+    p = params.load()
+    hw = Hardware(format=1, device="cpu", scale="cpu", cpu=Cpu(name="a CPU", native_bfloat16=True))
+    line = {"fixed_mib": 800.0, "per_sample_mib": 1000.0}  # 1000 MiB a sample: any micro-batch is over 16 GB
+    plan = Plan.model_validate(
+        {"format": 2, "device": "cpu", "scale": "cpu", "batch": 32, "measure": "peak RSS", "points": []}
+        | {"line": line, "line_checkpointing": line, "auto_accum": 1, "auto_accum_checkpointing": 1}
+        | {"this_machine": {"memory_mib": 1000, "what": "host memory", "safety_margin": 0.1}}
+    )
+    specs = [resolve(p, v, hw, plan) for v in p.variants]
+    assert all(s.over_budget for s in specs)
+    monkeypatch.setattr(speed, "variant_model", lambda *a: pytest.fail("an over-budget variant was built"))
+    data = {"train_x": torch.zeros(256, 28, 28, dtype=torch.uint8), "train_y": torch.zeros(256, dtype=torch.long)}
+    result = time_variants(specs, data, rounds=1, steps=1)
+    for s in specs:
+        row = result["variants"][s.variant]
+        assert row["did_not_fit"] == s.over_budget.reason and "over memory.host_budget_gb" in row["did_not_fit"]

@@ -23,7 +23,7 @@ def p() -> params.Params:
 
 def point(p: params.Params, micro: int, checkpointing: bool = False, **kwargs) -> dict:  # noqa: ANN003
     """run_point of the sweep's spec on the CPU scale, as the stage runs it."""
-    return run_point(sweep_spec(p, Hardware.nominal("cpu"), checkpointing), micro, p.memory, **kwargs)
+    return run_point(sweep_spec(p, Hardware.nominal("cpu"), checkpointing).at_micro(micro), p.memory, **kwargs)
 
 
 def python(code: str) -> tuple[str, ...]:
@@ -94,7 +94,9 @@ def test_a_point_ends_each_pass_with_trainings_short_micro_batch(p: params.Param
         return real(model, opt, scaler, images, labels, order, plan, dtype)
 
     monkeypatch.setattr(sweep_point, "train_epoch", spy)
-    row = sweep_point.measure_point(sweep_spec(p, Hardware.nominal("cpu"), False), 4, 1, test_samples=8, last=3)
+    row = sweep_point.measure_point(
+        sweep_spec(p, Hardware.nominal("cpu"), False).at_micro(4), 1, test_samples=8, last=3
+    )
     assert seen == [[4, 3], [4, 3]] and row["fit"] and row["images_per_s"] > 0
 
 
@@ -103,7 +105,8 @@ def test_the_sweep_asks_each_point_for_the_training_remainder(p: params.Params, 
 
     calls = []
 
-    def fake(spec, micro, memory, test_samples=1000, last=0):  # noqa: ANN001, ANN202
+    def fake(spec, memory, test_samples=1000, last=0):  # noqa: ANN001, ANN202
+        micro = spec.micro_batch
         calls.append((micro, spec.checkpointing, test_samples, last))
         return {"micro_batch": micro, "checkpointing": spec.checkpointing, "fit": True, "peak_mib": 800.0 + micro}
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from pydantic import ValidationError
 from torch import nn
 
 from gradaccum import experiment, loop, mnist, params, spec
-from gradaccum.accumulation import micro_batch_size, schedule
+from gradaccum.accumulation import schedule
 from gradaccum.outputs import write_json
 from gradaccum.records import Hardware
 from stages import train as train_stage
@@ -96,9 +97,8 @@ def tiny_spec(**changes: object) -> spec.RunSpec:
     """The accumulation variant's spec at the CPU scale, resized for the tiny model's runs."""
     p = params.load(ROOT / "params.yaml", model_names=False)
     base = spec.resolve(p, "accumulation", Hardware.nominal("cpu"))
-    update = {"lr": 3e-3, "weight_decay": 0.0, "batch": 64, "accum": 2, "epochs": 3, "amp": "float32"} | changes
-    micro = micro_batch_size(update["batch"], update["accum"])  # type: ignore[arg-type]
-    return base.model_copy(update=update | {"micro_batch": micro, "eval_batch": 128})
+    tiny = {"lr": 3e-3, "weight_decay": 0.0, "batch": 64, "accum": 2, "epochs": 3, "amp": "float32"}
+    return base.at(**tiny | changes)
 
 
 def run(seed: int = 0, accum: int = 2) -> list[dict]:
@@ -282,6 +282,25 @@ def test_precision_lever_flips_autocast() -> None:
     assert spec.amp("cuda", train) == "float16" and spec.amp("cuda", train, "other") == "float32"
     assert spec.amp("cpu", train.model_copy(update={"amp_cpu": "bfloat16"}), "other") == "float32"
     assert spec.AMP_DTYPES["float32"] is None  # float32: no autocast
+    assert spec.other_precision("float16", "cuda") == "float32" and spec.other_precision("float32", "cuda") == "float16"
+
+
+def test_a_spec_derives_its_micro_batch_and_refuses_one_that_lies() -> None:
+    """The micro-batch and the evaluation batch follow from the batch and the window; no spec can say otherwise."""
+    p = params.load(ROOT / "params.yaml", model_names=False)
+    base = spec.resolve(p, "accumulation", Hardware.nominal("cpu"))  # 256 as 4 x 64, train.eval_batch 1024
+    assert (base.batch, base.accum, base.micro_batch, base.eval_batch) == (CPU_BATCH, 4, CPU_BATCH // 4, CPU_BATCH // 4)
+    bigger = base.at(accum=1)
+    assert bigger.micro_batch == CPU_BATCH and bigger.eval_batch == min(p.train.eval_batch, CPU_BATCH)
+    point = base.at(accum=1).at_micro(8)
+    assert (point.batch, point.accum, point.micro_batch, point.eval_batch) == (8, 1, 8, 8)
+    assert base.at(world=2).micro_batch == CPU_BATCH // 8  # a window is accum x world micro-batches
+    with pytest.raises(ValidationError, match="micro_batch 100 is not ceil"):
+        spec.RunSpec.model_validate(base.model_dump() | {"micro_batch": 100})
+    with pytest.raises(ValidationError, match="accum must be from 1"):
+        base.at(accum=CPU_BATCH + 1)
+    with pytest.raises(TypeError, match="at()"):
+        base.model_copy(update={"micro_batch": 100})  # would skip the validation
 
 
 def test_each_further_seed_trains_a_fresh_model_and_is_recorded(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
