@@ -22,7 +22,7 @@ import torch
 
 from gradaccum import mnist, params
 from gradaccum.accumulation import schedule
-from gradaccum.loop import make_optimizer, make_scaler, train_epoch
+from gradaccum.loop import Learner, make_optimizer, make_scaler, train_epoch
 from gradaccum.models import build_model
 
 IMAGES = 512
@@ -42,12 +42,12 @@ def compare(
     for arm in ARMS:
         model = build_model(**p.model.model_dump(), norm="group", seed=p.seed, matmul_depthwise=arm == ARMS[1])
         model = model.to(memory_format=torch.channels_last) if arm == "channels_last" else model
-        arms[arm] = (model, make_optimizer(model, 3e-4), make_scaler(torch.device("cpu"), dtype))
+        arms[arm] = Learner(model, make_optimizer(model, 3e-4), make_scaler(torch.device("cpu"), dtype), dtype)
     batches = schedule(IMAGES, micro, accum)
 
     def run(arm: str) -> float:
         start = time.perf_counter()
-        train_epoch(*arms[arm], images, labels, torch.arange(IMAGES), batches, dtype)
+        train_epoch(arms[arm], images, labels, torch.arange(IMAGES), batches)
         return time.perf_counter() - start
 
     for arm in ARMS:

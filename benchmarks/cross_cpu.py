@@ -34,8 +34,9 @@ def spread(values: list[float]) -> float:
 
 def compare(a: VariantRecord, b: VariantRecord) -> str:
     """One table row: means, the largest per-seed move, and that move against the seed spread."""
-    if not (a.fit and b.fit):
-        return f"| `{a.variant}` | {'ran' if a.fit else 'not run'} | {'ran' if b.fit else 'not run'} | | | |"
+    if not (a.completed and b.completed):
+        ran = ("ran" if r.completed else "not run" for r in (a, b))
+        return f"| `{a.variant}` | {' | '.join(ran)} | | | |"
     la, lb = (seed_values(r, "final_train_loss") for r in (a, b))
     aa, ab = (seed_values(r, "test_accuracy") for r in (a, b))
     move = max(abs(x - y) for x, y in zip(la, lb, strict=True))
@@ -70,7 +71,7 @@ def main() -> None:
     ra, rb = records(args.run_a), records(args.run_b)
     if ra.keys() != rb.keys():
         parser.error(f"the runs hold other variants: {sorted(ra.keys() ^ rb.keys())}")
-    ran = [name for name in ra if ra[name].fit and rb[name].fit]  # one CPU may leave a variant out (bfloat16)
+    ran = [name for name in ra if ra[name].completed and rb[name].completed]  # one CPU may leave one out (bfloat16)
     seeds = {name: ([s.seed for s in ra[name].seeds], [s.seed for s in rb[name].seeds]) for name in ran}
     if any(x != y for x, y in seeds.values()):
         parser.error(f"the runs' seeds differ: {seeds}")

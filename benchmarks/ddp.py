@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from gradaccum import distributed, params
 from gradaccum.accumulation import micro_batch_size, schedule
-from gradaccum.loop import make_optimizer, make_scaler, train_epoch
+from gradaccum.loop import Learner, make_optimizer, make_scaler, train_epoch
 from gradaccum.models import build_model
 
 BATCH, ACCUM = 64, 4  # per window: 4 micro-batches of 8 on each of 2 ranks
@@ -40,19 +40,19 @@ def main() -> None:
         return default_hooks.allreduce_hook(None, bucket)
 
     model.register_comm_hook(None, counting_allreduce)
-    opt, scaler = make_optimizer(model, lr=1e-4), make_scaler(device, None)
+    learner = Learner(model, make_optimizer(model, lr=1e-4), make_scaler(device, None), None)
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (BATCH, 28, 28), dtype=torch.uint8, generator=g)
     labels = torch.randint(0, 10, (BATCH,), generator=g)
     batches = schedule(BATCH, micro_batch_size(BATCH, ACCUM * world), ACCUM, rank=rank, world=world)
     seconds: dict[bool, list[float]] = {True: [], False: []}
     allreduces: dict[bool, list[int]] = {True: [], False: []}
-    train_epoch(model, opt, scaler, images, labels, torch.arange(BATCH), batches, None)  # warm-up
+    train_epoch(learner, images, labels, torch.arange(BATCH), batches)  # warm-up
     for _ in range(args.repeats):
         for no_sync in (True, False):
             before = len(calls)
             start = time.perf_counter()
-            train_epoch(model, opt, scaler, images, labels, torch.arange(BATCH), batches, None, no_sync=no_sync)
+            train_epoch(learner, images, labels, torch.arange(BATCH), batches, no_sync=no_sync)
             seconds[no_sync].append(time.perf_counter() - start)
             allreduces[no_sync].append(len(calls) - before)  # bucket all-reduces (hook calls) in this window
     buckets = len(set(calls))

@@ -80,8 +80,8 @@ MUTANTS = (
     Mutant(
         "the CPU-scale trace under CUDA's rules",
         "gradaccum/trace.py",
-        "s: Step, policy: str = autocast_policy.CPU, gpu: allocator.Gpu = allocator.STUDY_GPU, cards_mib",
-        "s: Step, policy: str = autocast_policy.CUDA, gpu: allocator.Gpu = allocator.STUDY_GPU, cards_mib",
+        "s: TracedStep, policy: str = autocast_policy.CPU, gpu: allocator.Gpu = allocator.STUDY_GPU, cards_mib",
+        "s: TracedStep, policy: str = autocast_policy.CUDA, gpu: allocator.Gpu = allocator.STUDY_GPU, cards_mib",
         ("tests/test_trace.py::test_float16_autocast_halves_what_the_convolutions_keep",),
     ),
     Mutant(

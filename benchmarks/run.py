@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from gradaccum import mnist, params, planner
 from gradaccum.accumulation import accum_for, micro_batch_size, schedule
-from gradaccum.loop import make_optimizer, make_scaler, train_epoch
+from gradaccum.loop import Learner, train_epoch
 from gradaccum.machine import cpu_name
 from gradaccum.memory import MemorySampler
 from gradaccum.models import build_model, spec_model
@@ -72,8 +72,9 @@ def write_idx(folder: Path, arrays: dict[str, Any]) -> None:
                 f.write(header + data.tobytes())
 
 
-def tutorial_loop(model, opt, scaler, loader, accum: int, device: torch.device, dtype) -> None:
+def tutorial_loop(learner: Learner, loader, accum: int, device: torch.device) -> None:
     """The tutorial's loop as published: loss / accum, step when (i + 1) % accum == 0."""
+    model, opt, scaler, dtype = learner.model, learner.opt, learner.scaler, learner.dtype
     model.train()
     for i, (x, y) in enumerate(loader):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -97,13 +98,13 @@ def bench_spec(p: Params, device: torch.device, norm: str = "group", accum: int 
     return declared_spec(p, hw, "bench", Variant(norm=norm, accum=accum, lr=1e-4, extra="seed"))
 
 
-def setup(p: Params, device: torch.device, norm: str = "group", matmul_depthwise: bool = True):
+def setup(p: Params, device: torch.device, norm: str = "group", matmul_depthwise: bool = True) -> Learner:
     spec = bench_spec(p, device, norm)
     if matmul_depthwise:
         model = spec_model(spec, device=device)  # as the stages build it
     else:  # timm's model as the tutorial built it, whatever the device
         model = build_model(**p.model.model_dump(), norm=norm, seed=spec.seed, device=device, matmul_depthwise=False)
-    return model, make_optimizer(model, lr=spec.lr), make_scaler(device, spec.dtype), spec.dtype
+    return Learner.of(model, spec, device)
 
 
 def bench_loops(p, device, s, arrays, repeats: int) -> dict[str, Any]:
@@ -128,11 +129,9 @@ def bench_loops(p, device, s, arrays, repeats: int) -> dict[str, Any]:
         batches = schedule(n, micro, accum)
         ours, timm_model = setup(p, device, norm="batch"), setup(p, device, norm="batch", matmul_depthwise=False)
         arms = {  # the project as it trains; its loop on timm's model as the tutorial built it; the tutorial
-            "ours": lambda: train_epoch(*ours[:3], images, labels, torch.randperm(n, device=device), batches, ours[3]),
-            "loop": lambda: train_epoch(
-                *timm_model[:3], images, labels, torch.randperm(n, device=device), batches, ours[3]
-            ),
-            "tutorial": lambda: tutorial_loop(*timm_model[:3], loader, accum, device, ours[3]),
+            "ours": lambda: train_epoch(ours, images, labels, torch.randperm(n, device=device), batches),
+            "loop": lambda: train_epoch(timm_model, images, labels, torch.randperm(n, device=device), batches),
+            "tutorial": lambda: tutorial_loop(timm_model, loader, accum, device),
         }
         times: dict[str, list[float]] = {arm: [] for arm in arms}
         for fn in arms.values():
@@ -157,18 +156,11 @@ def bench_loops(p, device, s, arrays, repeats: int) -> dict[str, Any]:
 def bench_accum(p, device, s, arrays, repeats: int) -> dict[str, Any]:
     n, batch = s["images"], s["batch"]
     images, labels = on_device(arrays, n, device)
-    model, opt, scaler, dtype = setup(p, device)
+    learner = setup(p, device)
     fns = {
         a: (
             lambda a=a: train_epoch(
-                model,
-                opt,
-                scaler,
-                images,
-                labels,
-                torch.arange(n, device=device),
-                schedule(n, micro_batch_size(batch, a), a),
-                dtype,
+                learner, images, labels, torch.arange(n, device=device), schedule(n, micro_batch_size(batch, a), a)
             )
         )
         for a in (1, 4, 8)
@@ -192,11 +184,11 @@ def bench_accum(p, device, s, arrays, repeats: int) -> dict[str, Any]:
 def bench_sampler(p, device, s, arrays, repeats: int) -> dict[str, Any]:
     n, micro = s["images"], s["micro"]
     images, labels = on_device(arrays, n, device)
-    model, opt, scaler, dtype = setup(p, device)
+    learner = setup(p, device)
     batches = schedule(n, micro, 1)
 
     def plain() -> None:
-        train_epoch(model, opt, scaler, images, labels, torch.arange(n, device=device), batches, dtype)
+        train_epoch(learner, images, labels, torch.arange(n, device=device), batches)
 
     def sampled() -> None:
         with MemorySampler(device.type, p.memory.interval_ms):
@@ -229,7 +221,7 @@ def bench_sampler(p, device, s, arrays, repeats: int) -> dict[str, Any]:
 def bench_planner(p, device: torch.device, s) -> dict[str, Any]:
     spec = sweep_spec(p, Hardware.nominal("study" if device.type == "cuda" else "cpu"), checkpointing=False)
     fit_points = [run_point(spec.at_micro(m), p.memory) for m in s["fit"]]
-    fit = planner.fit_line([r["micro_batch"] for r in fit_points], [r["peak_mib"] for r in fit_points])
+    fit = planner.line_through_points([r["micro_batch"] for r in fit_points], [r["peak_mib"] for r in fit_points])
     rows = []
     for micro in s["check"]:
         measured = run_point(spec.at_micro(micro), p.memory)["peak_mib"]

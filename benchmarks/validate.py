@@ -17,7 +17,7 @@ from pathlib import Path
 
 import timm.layers
 
-from gradaccum import allocator, fit, outputs, params, trace
+from gradaccum import allocator, fit, outputs, params, study_trace, trace
 from gradaccum.report.traced import GOALS
 from gradaccum.tutorial import CLAIMS
 
@@ -122,9 +122,18 @@ def on_the_card(run: Ran, margin: float) -> dict:
     timm.layers.set_fused_attn(False)  # torch 1.12 had no scaled_dot_product_attention
     try:
         q = fit.Question(
-            run.model, (3, 224, 224), 1000, run.batch, 1, "float16", "sgd-momentum", torch_version="1.12.1",
-            gpu=allocator.GPUS["rtx3090"], cards=(24.0,), margin=margin,
-        )  # fmt: skip
+            model=run.model,
+            input=(3, 224, 224),
+            num_classes=1000,
+            batch=run.batch,
+            accum=1,
+            amp="float16",
+            optimizer="sgd-momentum",
+            torch_version="1.12.1",
+            gpu=allocator.GPUS["rtx3090"],
+            cards=(24.0,),
+            margin=margin,
+        )
         row = fit.question_engine(q).trace(run.batch, 1)
         room = {
             "allocated_mib": round(row["gpu_allocated_mib"]),
@@ -140,15 +149,26 @@ def predict(row: Published) -> float:
     if row.model.startswith("study:"):  # the study's own trace of the tutorial's step, at the tutorial's settings
         p = params.load()
         variant = getattr(p.roles, row.model.removeprefix("study:"))
-        r = trace.trace_variant(trace.tutorial_settings(p), variant, "study")
+        r = trace.trace_variant(study_trace.tutorial_settings(p), variant, "study")
         return r["gpu_" + FIGURE[row.measured]]
     before = timm.layers.use_fused_attn()
     timm.layers.set_fused_attn(row.fused_attention)  # read by timm's attention layers when they are built
     try:
         q = fit.Question(
-            row.model, row.input, row.num_classes, row.batch, 1, row.amp, row.optimizer, False, row.channels_last,
-            row.input_dtype, row.torch_version, allocator.GPUS[row.gpu], cards=(80.0,),
-        )  # fmt: skip
+            model=row.model,
+            input=row.input,
+            num_classes=row.num_classes,
+            batch=row.batch,
+            accum=1,
+            amp=row.amp,
+            optimizer=row.optimizer,
+            checkpointing=False,
+            channels_last=row.channels_last,
+            input_dtype=row.input_dtype,
+            torch_version=row.torch_version,
+            gpu=allocator.GPUS[row.gpu],
+            cards=(80.0,),
+        )
         return fit.answer(q)[FIGURE[row.measured]]
     finally:
         timm.layers.set_fused_attn(before)

@@ -147,7 +147,7 @@ class CachingAllocator:
 CUBLAS_WORKSPACE = 32 * MIB  # sm90 and later (H100, H200); 8.125 MiB before (4096 KiB x 2 + 16 KiB x 8)
 CUBLAS_WORKSPACE_BEFORE_SM90 = 4096 * 1024 * 2 + 16 * 1024 * 8
 CUBLAS_WORKSPACES = 2  # one per (cuBLAS handle, stream): the forward's thread and autograd's device thread
-CUDNN_WORKSPACE = 0  # chosen per convolution at run time, freed after it: not modelled
+# cuDNN's workspace is not modelled: chosen per convolution at run time, freed after it.
 CUDA_CONTEXT = 500 * MIB  # driver, kernels, cuDNN/cuBLAS handles: outside PyTorch's allocator
 
 

@@ -32,6 +32,12 @@ PINNED_TORCH = "2.14.1"  # the torch these lists were read from
 CPU, CUDA = "cpu", "cuda"  # the policies a trace row names
 NATIVE_CUDA = "cuda_native"  # CUDA's own autocast on fake CUDA tensors: only where a driver is (the device check)
 
+
+def of_device(device: str) -> str:
+    """The autocast policy a device trains under: its own ("cpu" or "cuda")."""
+    return {"cpu": CPU, "cuda": CUDA}[device]
+
+
 # AT_FORALL_LOWER_PRECISION_FP: every floating input cast to the autocast dtype (float16 for the study).
 LOWER_PRECISION_FP = (
     "_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",

@@ -21,8 +21,30 @@ from typing import Any
 import pandas as pd
 
 from gradaccum import allocator, fit, models, params, planner, trace
+from gradaccum.accumulation import micro_batch_size
 from gradaccum.models import IMAGE_SIZE
+from gradaccum.records import Hardware
 from gradaccum.refusal import BadInput
+from gradaccum.spec import sweep_spec
+
+
+def study_cards(p: params.Params, checkpointing: bool) -> list[dict[str, Any]]:
+    """The report's GPU card table: the sweep's model at the study scale, plain or with checkpointing, on each of
+    memory.cards_gb less memory.safety_margin: the fewest micro-batches whose step, replayed on the card, fits,
+    its nvidia-smi figure there and how often the allocator freed its cache to fit."""
+    spec = sweep_spec(p, Hardware.nominal("study"), checkpointing)
+    usable = tuple(planner.card_usable_mib(card, p.memory.safety_margin) for card in p.memory.cards_gb)
+    engine = fit.spec_engine(spec, usable)
+    rows = []
+    for card, u in zip(p.memory.cards_gb, usable, strict=True):
+        accum = engine.smallest_accum_by_replay(u)
+        row: dict[str, Any] = {"card_gb": card, "usable_mib": round(u), "accum": accum}
+        if accum:
+            on_card = engine.on_card(accum, u)
+            row |= {"micro_batch": micro_batch_size(spec.batch, accum), "nvidia_smi_mib": on_card["nvidia_smi_mib"]}
+            row["cache_frees"] = on_card["cache_frees"]
+        rows.append(row)
+    return rows
 
 
 def answer(p: params.Params, variants: list[str], cards_gb: list[float], scale: str = "study") -> list[dict[str, Any]]:

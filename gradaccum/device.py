@@ -213,7 +213,7 @@ def one_step(p: Any, device: Any, snapshot: Path) -> dict[str, Any]:
 
     from gradaccum.accumulation import schedule
     from gradaccum.experiment import variant_model
-    from gradaccum.loop import make_optimizer, make_scaler, train_epoch
+    from gradaccum.loop import Learner, train_epoch
     from gradaccum.memory import MIB
     from gradaccum.records import Hardware
     from gradaccum.spec import resolve
@@ -221,14 +221,15 @@ def one_step(p: Any, device: Any, snapshot: Path) -> dict[str, Any]:
     cuda = device.type == "cuda"
     spec = resolve(p, p.roles.baseline, Hardware.nominal("study" if cuda else "cpu"), accum=1)
     model, dtype = variant_model(spec, spec.seed, device), spec.dtype
-    opt, scaler = make_optimizer(model, spec.lr, spec.weight_decay), make_scaler(device, dtype)
+    learner = Learner.of(model, spec, device)
     images = torch.randint(0, 256, (1024, 28, 28), dtype=torch.uint8, device=device)
     labels = torch.randint(0, p.model.num_classes, (1024,), device=device)
     if cuda:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     start = time.perf_counter()
     order = torch.arange(1024, device=device)
-    loss, _, skipped = train_epoch(model, opt, scaler, images, labels, order, schedule(1024, 1024, 1), dtype)
+    run = train_epoch(learner, images, labels, order, schedule(1024, 1024, 1))
+    loss, skipped = run.loss, run.skipped
     step = {"device": device.type, "amp": str(dtype), "micro_batch": 1024, "loss": loss}
     step["seconds"] = round(time.perf_counter() - start, 2)
     step["scaler_skipped"] = skipped > 0  # its first step often is
@@ -338,7 +339,7 @@ def epochs_that_fit(out: Path, seconds_left: float, variants: int = 2) -> int:
     for v in ("baseline", "accumulation"):
         if "metrics.json" in packed.get(v, {}):
             m = json.loads(packed[v]["metrics.json"])
-            if m.get("fit"):
+            if m.get("completed"):
                 times.append((m["stage_seconds"] - m["train_seconds"], m["train_seconds"]))
     if len(times) < 2:
         return 0

@@ -99,7 +99,7 @@ def run_variant(
         train_samples=len(data["train_y"]),
         test_samples=len(data["test_y"]),
         parameters=count_parameters(distributed.unwrap(model)),
-        fit=failure is None and spec.not_run is None,
+        completed=failure is None and spec.not_run is None,
         did_not_fit=failure,
         not_run=spec.not_run,
         final_train_loss=rows[-1]["train_loss"] if rows else None,
@@ -111,7 +111,7 @@ def run_variant(
         train_seconds=seconds,
         memory=memory,
     )
-    weights = distributed.unwrap(model).state_dict() if record.fit else {}
+    weights = distributed.unwrap(model).state_dict() if record.completed else {}
     return VariantRun(record, rows, sampler, weights, curves.steps, alone)
 
 

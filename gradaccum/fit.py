@@ -31,12 +31,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from gradaccum import allocator, autocast_policy, planner, trace
 from gradaccum.accumulation import accum_for, fewest_for_micro, micro_batch_size, next_accum, previous_accum
-from gradaccum.params import Params
-from gradaccum.records import Hardware, Line
 from gradaccum.refusal import BadInput, refuse
-from gradaccum.spec import AMP_DTYPES, RunSpec, other_precision, sweep_spec
+from gradaccum.spec import AMP_DTYPES, RunSpec, other_precision
 
-KINDS = {  # the trace's kinds -> what the printout calls them
+PRINTED_KINDS = {  # the trace's kinds -> what the printout calls them
     "weights": ("parameters_mib", "buffers_mib"),
     "gradients": ("gradients_mib",),
     "optimizer state": ("optimizer_mib",),
@@ -52,7 +50,7 @@ class Untraceable(BadInput):
     """A model that cannot be built or traced: refused in one line that names it and says why."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Question:
     """What a person with a model, a batch and a card asks: every setting of the step, and the cards."""
 
@@ -66,7 +64,7 @@ class Question:
     checkpointing: bool = False
     channels_last: bool = False
     input_dtype: str = "float32"  # as the batch reaches the device: a loop's .to(device, dtype) may cast it
-    torch_version: str = autocast_policy.PINNED_TORCH  # an older torch's autocast lists and zero_grad (trace.Step)
+    torch_version: str = autocast_policy.PINNED_TORCH  # an older torch's autocast lists and zero_grad (TracedStep)
     gpu: allocator.Gpu = allocator.STUDY_GPU
     cards: tuple[float, ...] = DEFAULT_CARDS
     margin: float = 0.05  # left free on every card, as params.yaml's memory.safety_margin
@@ -153,7 +151,7 @@ class Engine:
 
     name: str
     batch: int  # the effective batch
-    make: Callable[[int, int, bool, str], trace.Step]  # (micro-batch, accum, checkpointing, amp) -> the step
+    make: Callable[[int, int, bool, str], trace.TracedStep]  # (micro-batch, accum, checkpointing, amp) -> the step
     checkpointing: bool = False  # the step's own
     amp: str = "float16"
     policy: str = autocast_policy.CUDA  # whose autocast rules: a GPU's, or the CPU's for the CPU scale
@@ -215,9 +213,11 @@ class Engine:
         if smallest == 1 or not self.fits(smallest, usable, checkpointing, amp):
             return None
         high = max(low + 1, batch // 2)
-        low_need, high_need = (trace.figure(self.trace(m, 2, checkpointing, amp)) for m in (low, high))
-        per_sample = (high_need - low_need) / (high - low)
-        line = Line(fixed_mib=low_need - per_sample * low, per_sample_mib=per_sample)
+        rows = (
+            self.trace(low, 2, checkpointing, amp),
+            self.trace(high, 2, checkpointing, amp),
+        )  # a window's gradients held
+        line = trace.peak_line((low, high), rows)
         accum = fewest_for_micro(batch, max(2, planner.smallest_accum_by_line(line, usable, batch) or smallest))
         while accum < smallest and not self.fits(accum, usable, checkpointing, amp):
             accum = next_accum(batch, accum)
@@ -230,13 +230,22 @@ def question_engine(q: Question) -> Engine:
     """The engine of a question's step: its model, fed a DataLoader's batches, nothing resident."""
     builders: dict[bool, Callable[[], nn.Module]] = {}
 
-    def make(micro: int, accum: int, checkpointing: bool, amp: str) -> trace.Step:
+    def make(micro: int, accum: int, checkpointing: bool, amp: str) -> trace.TracedStep:
         if checkpointing not in builders:
             builders[checkpointing] = fake_safe(model_builder(q.model, q.input, q.num_classes, checkpointing))
-        return trace.Step(
-            builders[checkpointing], micro, accum, q.num_classes, AMP_DTYPES[amp], 0, q.input, q.input_dtype,
-            q.optimizer, q.channels_last, q.torch_version,
-        )  # fmt: skip
+        return trace.TracedStep(
+            build=builders[checkpointing],
+            micro=micro,
+            accum=accum,
+            num_classes=q.num_classes,
+            dtype=AMP_DTYPES[amp],
+            resident=0,
+            input=q.input,
+            arrives=q.input_dtype,
+            optimizer=q.optimizer,
+            channels_last=q.channels_last,
+            torch_version=q.torch_version,
+        )
 
     usable = tuple(planner.card_usable_mib(card, q.margin) for card in q.cards)
     return Engine(q.model, q.batch, make, q.checkpointing, q.amp, autocast_policy.CUDA, q.gpu, usable)
@@ -246,29 +255,18 @@ def spec_engine(spec: RunSpec, cards_mib: tuple[float, ...] = ()) -> Engine:
     """The engine of a study variant's step (a resolved RunSpec): its model, its resident data, its device's rules;
     each trace replayed on cards leaving `cards_mib`."""
 
-    def make(micro: int, accum: int, checkpointing: bool, amp: str) -> trace.Step:
-        return trace.Step.of(spec.at(accum=accum, checkpointing=checkpointing, amp=amp).at_micro(micro))
+    def make(micro: int, accum: int, checkpointing: bool, amp: str) -> trace.TracedStep:
+        return trace.TracedStep.of(spec.at(accum=accum, checkpointing=checkpointing, amp=amp).at_micro(micro))
 
-    return Engine(spec.variant, spec.batch, make, spec.checkpointing, spec.amp, spec.device, cards_mib=cards_mib)
-
-
-def study_cards(p: Params, checkpointing: bool) -> list[dict[str, Any]]:
-    """The report's GPU card table: the sweep's model at the study scale, plain or with checkpointing, on each of
-    memory.cards_gb less memory.safety_margin: the fewest micro-batches whose step, replayed on the card, fits,
-    its nvidia-smi figure there and how often the allocator freed its cache to fit."""
-    spec = sweep_spec(p, Hardware.nominal("study"), checkpointing)
-    usable = tuple(planner.card_usable_mib(card, p.memory.safety_margin) for card in p.memory.cards_gb)
-    engine = spec_engine(spec, usable)
-    rows = []
-    for card, u in zip(p.memory.cards_gb, usable, strict=True):
-        accum = engine.smallest_accum_by_replay(u)
-        row: dict[str, Any] = {"card_gb": card, "usable_mib": round(u), "accum": accum}
-        if accum:
-            on_card = engine.on_card(accum, u)
-            row |= {"micro_batch": micro_batch_size(spec.batch, accum), "nvidia_smi_mib": on_card["nvidia_smi_mib"]}
-            row["cache_frees"] = on_card["cache_frees"]
-        rows.append(row)
-    return rows
+    return Engine(
+        spec.variant,
+        spec.batch,
+        make,
+        spec.checkpointing,
+        spec.amp,
+        autocast_policy.of_device(spec.device),
+        cards_mib=cards_mib,
+    )
 
 
 def option(engine: Engine, accum: int | None, usable: float, checkpointing: bool, amp: str) -> dict[str, Any] | None:
@@ -307,7 +305,7 @@ def answer(q: Question) -> dict[str, Any]:
         "input_dtype": q.input_dtype,
         "gpu": q.gpu.name,
         "autocast_policy": row["autocast_policy"],
-        "tensors_mib": {kind: round(sum(row[k] for k in keys), 1) for kind, keys in KINDS.items()},
+        "tensors_mib": {kind: round(sum(row[k] for k in keys), 1) for kind, keys in PRINTED_KINDS.items()},
         "allocated_mib": round(row["gpu_allocated_mib"], 1),
         "reserved_mib": round(row["gpu_reserved_mib"], 1),
         "nvidia_smi_mib": round(row["gpu_nvidia_smi_mib"], 1),
@@ -420,9 +418,21 @@ def main(argv: list[str] | None = None) -> None:
     gpu = allocator.GPUS[args.gpu]
     cards = tuple(args.cards) if args.cards else ((gpu.memory_gib,) if "--gpu" in (argv or sys.argv) else DEFAULT_CARDS)
     q = Question(
-        args.model, args.input, args.num_classes, args.batch, args.accum, args.amp, args.optimizer,
-        args.checkpointing, args.channels_last, args.input_dtype, args.torch_version, gpu, cards, args.margin,
-    )  # fmt: skip
+        model=args.model,
+        input=args.input,
+        num_classes=args.num_classes,
+        batch=args.batch,
+        accum=args.accum,
+        amp=args.amp,
+        optimizer=args.optimizer,
+        checkpointing=args.checkpointing,
+        channels_last=args.channels_last,
+        input_dtype=args.input_dtype,
+        torch_version=args.torch_version,
+        gpu=gpu,
+        cards=cards,
+        margin=args.margin,
+    )
     try:
         autocast_policy.fp32_before(q.torch_version)
         a = answer(q)

@@ -22,7 +22,7 @@ from torch import nn
 
 from gradaccum.accumulation import micro_batch_size, relative_difference, schedule, windows
 from gradaccum.experiment import variant_model
-from gradaccum.loop import make_scaler, normalize, train_epoch
+from gradaccum.loop import Learner, make_scaler, normalize, train_epoch
 from gradaccum.spec import RunSpec
 
 BATCH = 96  # 7 does not divide it: micro-batches of 14, a window of 98
@@ -59,7 +59,7 @@ def loop_gradients(
     """Each window's gradient as `train_epoch` accumulates it over `perm`'s order (float32, one process)."""
     recorder = GradientRecorder(model.parameters())
     batches = schedule(len(perm), micro, accum, weighting)
-    train_epoch(model, recorder, make_scaler(images.device, None), images, labels, perm, batches, None)
+    train_epoch(Learner(model, recorder, make_scaler(images.device, None), None), images, labels, perm, batches)
     return recorder.gradients
 
 

@@ -59,28 +59,79 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
     return (images.float() / 255.0 - 0.5).unsqueeze(1)
 
 
+@dataclass(frozen=True)
+class Learner:
+    """What the loop steps: the model, its optimizer, the GradScaler and the autocast dtype (None: float32)."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    dtype: torch.dtype | None
+
+    @classmethod
+    def of(cls, model: nn.Module, spec: RunSpec, device: torch.device) -> Learner:
+        """`model` with the spec's optimizer and precision, as every stage trains it."""
+        opt, scaler = make_optimizer(model, spec.lr, spec.weight_decay), make_scaler(device, spec.dtype)
+        return cls(model, opt, scaler, spec.dtype)
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One epoch of the loop: its mean training loss over samples (every rank's), the optimizer steps, the steps
+    the scaler skipped, and each step's mean loss over its window."""
+
+    loss: float
+    steps: int
+    skipped: int
+    step_losses: list[float]
+
+
+class WindowLosses:
+    """Each window's loss sum and samples, kept on the device: added up at the epoch's end in one device sync and
+    one all-reduce (every rank's samples), so the loop never waits on the device for a number."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.closed = device, []
+        self.sum, self.samples = torch.zeros((), device=device), 0
+
+    def add(self, loss: torch.Tensor, mb: MicroBatch) -> None:
+        if mb.weight:  # weight 0: a stand-in so that a rank with no samples left still joins the all-reduce
+            self.sum += loss.detach().float() * (mb.stop - mb.start)
+            self.samples += mb.stop - mb.start
+
+    def close(self) -> None:
+        self.closed.append((self.sum, self.samples))
+        self.sum, self.samples = torch.zeros((), device=self.device), 0
+
+    def means(self, steps: int) -> tuple[float, list[float]]:
+        """The epoch's mean loss, and each of its `steps` windows' (what an epoch ending inside a window saw, in the
+        tutorial's loop, counts in the first only)."""
+        self.close()
+        losses = torch.stack([w for w, _ in self.closed]).tolist()
+        sums = distributed.all_sum(*losses, *(n for _, n in self.closed))
+        loss_sums, counts = sums[: len(self.closed)], sums[len(self.closed) :]
+        return sum(loss_sums) / sum(counts), [w / n for w, n in zip(loss_sums[:steps], counts[:steps], strict=True)]
+
+
 def train_epoch(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
+    learner: Learner,
     images: torch.Tensor,
     labels: torch.Tensor,
     perm: torch.Tensor,
     batches: list[MicroBatch],
-    dtype: torch.dtype | None,
+    *,
     progress: bool = False,
     no_sync: bool = True,
-    step_losses: list[float] | None = None,
-) -> tuple[float, int, int]:
-    """One epoch; returns (mean training loss over samples, optimizer steps, steps the scaler skipped).
+) -> Epoch:
+    """One epoch over `perm`'s order in `batches` (accumulation.schedule: each micro-batch's loss weight, and
+    whether an optimizer step follows it).
 
     Under DDP the gradients are all-reduced once per window: every micro-batch before the window's
     last runs forward and backward inside `no_sync()` (no_sync=False all-reduces each one, to compare).
-    `step_losses`, if given, gets each optimizer step's mean loss over its window (all ranks' samples).
     """
+    model, opt, scaler, dtype = learner.model, learner.opt, learner.scaler, learner.dtype
     model.train()
-    window_sum, window_n, windows = torch.zeros((), device=images.device), 0, []  # (loss sum, samples) a window
-    steps = skipped = 0
+    windows, steps, skipped = WindowLosses(images.device), 0, 0
     for mb in tqdm(batches, desc="  micro-batches", leave=False, disable=None if progress else True):
         idx = perm[mb.start : mb.stop]
         quiet = isinstance(model, DDP) and no_sync and not mb.step
@@ -88,25 +139,17 @@ def train_epoch(
             with torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None):
                 loss = F.cross_entropy(model(normalize(images[idx])), labels[idx])
             scaler.scale(loss * mb.weight).backward()  # weight: this micro-batch's share of its window
-        if mb.weight:  # weight 0: a stand-in so that a rank with no samples left still joins the all-reduce
-            window_sum += loss.detach().float() * (mb.stop - mb.start)
-            window_n += mb.stop - mb.start
+        windows.add(loss, mb)
         if mb.step:  # the window is complete: one optimizer step on its accumulated gradient
-            scale = scaler.get_scale()
+            scale_before = scaler.get_scale()
             scaler.step(opt)  # skipped inside when the scaled gradients hold inf/NaN
             scaler.update()
             opt.zero_grad(set_to_none=True)
             steps += 1
-            skipped += int(scaler.is_enabled() and scaler.get_scale() < scale)
-            windows.append((window_sum, window_n))
-            window_sum, window_n = torch.zeros((), device=images.device), 0
-    windows.append((window_sum, window_n))  # what an epoch ending inside a window saw (the tutorial's loop)
-    losses = torch.stack([w for w, _ in windows]).tolist()  # one device sync for the epoch
-    sums = distributed.all_sum(*losses, *(n for _, n in windows))  # every rank's samples, one all-reduce
-    loss_sums, counts = sums[: len(windows)], sums[len(windows) :]
-    if step_losses is not None:
-        step_losses += [w / n for w, n in zip(loss_sums[:steps], counts[:steps], strict=True)]
-    return sum(loss_sums) / sum(counts), steps, skipped
+            skipped += int(scaler.is_enabled() and scaler.get_scale() < scale_before)
+            windows.close()
+    loss, step_losses = windows.means(steps)
+    return Epoch(loss, steps, skipped, step_losses)
 
 
 @torch.inference_mode()  # no autograd bookkeeping at all, cheaper than no_grad; evaluation trains nothing
@@ -149,18 +192,16 @@ def train(
     each epoch with its row and its step rows (DVCLive).
     """
     device, dtype = data["train_x"].device, spec.dtype
-    opt = make_optimizer(model, spec.lr, spec.weight_decay)
-    scaler = make_scaler(device, dtype)
+    learner = Learner.of(model, spec, device)
     n = len(data["train_y"])
     batches = schedule(n, spec.micro_batch, spec.accum, spec.weighting, spec.epoch_end_step, rank, spec.world)
     shuffle = torch.Generator().manual_seed(seed)
     curves, progress = Curves(), rank == 0
     for epoch in tqdm(range(1, spec.epochs + 1), desc="epochs", unit="epoch", disable=None if progress else True):
         perm = torch.randperm(n, generator=shuffle).to(device)
-        start, losses = time.perf_counter(), []
-        train_loss, steps, skipped = train_epoch(
-            model, opt, scaler, data["train_x"], data["train_y"], perm, batches, dtype, progress, step_losses=losses
-        )
+        start = time.perf_counter()
+        run = train_epoch(learner, data["train_x"], data["train_y"], perm, batches, progress=progress)
+        train_loss, steps, skipped = run.loss, run.steps, run.skipped
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -168,7 +209,7 @@ def train(
             distributed.unwrap(model), data["test_x"], data["test_y"], spec.eval_batch, dtype
         )  # every rank alike, without DDP: no collective to wait on
         done = len(curves.steps)
-        epoch_steps = [{"step": done + 1 + i, "epoch": epoch, "train_loss": x} for i, x in enumerate(losses)]
+        epoch_steps = [{"step": done + 1 + i, "epoch": epoch, "train_loss": x} for i, x in enumerate(run.step_losses)]
         curves.steps += epoch_steps
         row = {
             "epoch": epoch,

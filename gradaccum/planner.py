@@ -18,7 +18,7 @@ GIB_MIB = 1024  # card sizes are in GB as vendors and nvidia-smi's MiB/1024 use 
 Speeds = dict[bool, tuple[list[int], list[float]]]  # checkpointing -> the sweep's measured images/s by micro-batch
 
 
-def fit_line(micro_batches: Sequence[int], peaks_mib: Sequence[float]) -> Line:
+def line_through_points(micro_batches: Sequence[int], peaks_mib: Sequence[float]) -> Line:
     """The sweep's measured points, and the least-squares line through them for beyond their range.
 
     Between two measured micro-batches the prediction joins their peaks; outside, it continues from the

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 FORMAT = 1  # the records' format: raised when a field changes meaning, so a reader never guesses at an old one
 PLAN_FORMAT = 2  # the sweep's plan has a format of its own
@@ -96,7 +96,8 @@ class VariantRecord(Record, Settings):
     test_samples: int
     dataset: str = ""  # the data's provenance kind: mirror, local or fallback
     parameters: int
-    fit: bool  # ran to the end; else did_not_fit or not_run says why
+    # ran to the end; else did_not_fit or not_run says why (records before the rename call it fit)
+    completed: bool = Field(validation_alias=AliasChoices("completed", "fit"))
     did_not_fit: DidNotFit | None = None
     not_run: str | None = None  # left out on purpose, before training (bfloat16 on a CPU that emulates it)
     final_train_loss: float | None = None
@@ -110,9 +111,11 @@ class VariantRecord(Record, Settings):
     memory: MemoryPeaks
 
     @model_validator(mode="after")
-    def fit_means_no_failure(self) -> VariantRecord:
-        if self.fit != (self.did_not_fit is None and self.not_run is None) or (self.did_not_fit and self.not_run):
-            raise ValueError(f"fit = {self.fit} but did_not_fit = {self.did_not_fit}, not_run = {self.not_run}")
+    def completed_means_no_failure(self) -> VariantRecord:
+        if self.completed != (self.did_not_fit is None and self.not_run is None) or (self.did_not_fit and self.not_run):
+            raise ValueError(
+                f"completed = {self.completed} but did_not_fit = {self.did_not_fit}, not_run = {self.not_run}"
+            )
         return self
 
     def why_not(self) -> str | None:

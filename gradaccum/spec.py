@@ -123,9 +123,9 @@ def resolve(
     """The variant's spec on `hw`; `accum` overrides the variant's own (the card table tries others)."""
     if variant not in p.variants:
         raise ParamsError(f"variant {variant!r} is not in params.yaml variants: {', '.join(p.variants)}")
-    v, scale = p.variants[variant], p.scale_settings(hw.scale)
+    v, settings = p.variants[variant], p.scale_settings(hw.scale)
     accum = accum or variant_accum(p, variant, plan, hw.scale, world)
-    micro = micro_batch_size(scale.batch, accum * world)
+    micro = micro_batch_size(settings.batch, accum * world)
     precision = amp(hw.device, p.train, v.precision)
     return RunSpec(
         variant=variant,
@@ -133,7 +133,7 @@ def resolve(
         device=hw.device,
         model=p.model,
         **v.model_dump(exclude={"accum", "extra"}),  # accum is resolved below; extra names a DVC dependency
-        **scale.model_dump(include={"batch", "epochs", "train_samples", "test_samples"}),
+        **settings.model_dump(include={"batch", "epochs", "train_samples", "test_samples"}),
         amp=precision,
         weight_decay=p.train.weight_decay,
         accum=accum,

@@ -16,7 +16,7 @@ import torch
 
 from gradaccum.accumulation import schedule
 from gradaccum.experiment import cudnn_settings, oom_record, variant_model
-from gradaccum.loop import make_optimizer, make_scaler, train_epoch
+from gradaccum.loop import Learner, train_epoch
 from gradaccum.memory import is_out_of_memory
 from gradaccum.spec import RunSpec
 
@@ -36,20 +36,19 @@ def time_variants(specs: list[RunSpec], data: dict[str, torch.Tensor], rounds: i
             out[spec.variant] = spec.why_not()
             continue
         model = variant_model(spec, spec.seed, device)  # one process: no DDP, no SyncBatchNorm
-        opt, scaler = make_optimizer(model, spec.lr, spec.weight_decay), make_scaler(device, spec.dtype)
         batches = schedule(n, spec.micro_batch, spec.accum, spec.weighting, spec.epoch_end_step)
-        arms[spec.variant] = (spec, model, opt, scaler, batches)
+        arms[spec.variant] = (spec, Learner.of(model, spec, device), batches)
         out[spec.variant] = {"accum": spec.accum, "micro_batch": spec.micro_batch, "images_per_s": []}
     names, compute = list(arms), 0.0
     for r in range(rounds + 1):  # round 0 warms every variant up (allocator, kernels) and is not kept
         for name in names[r % len(names) :] + names[: r % len(names)] if names else []:
             if "did_not_fit" in out[name]:
                 continue
-            spec, model, opt, scaler, batches = arms[name]
+            spec, learner, batches = arms[name]
             try:
                 with cudnn_settings(spec.cudnn, device):  # as the variant trains (a GPU only)
                     start = time.perf_counter()
-                    train_epoch(model, opt, scaler, images, labels, order, batches, spec.dtype)
+                    train_epoch(learner, images, labels, order, batches)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     seconds = time.perf_counter() - start

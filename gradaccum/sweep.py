@@ -119,7 +119,9 @@ def sweep(p: params.Params, hw: Hardware, log: Any = print) -> Plan:
     lines = {}
     for checkpointing in (False, True):
         fitted = [r for r in rows if r["fit"] and r["checkpointing"] == checkpointing]
-        lines[checkpointing] = planner.fit_line([r["micro_batch"] for r in fitted], [r["peak_mib"] for r in fitted])
+        lines[checkpointing] = planner.line_through_points(
+            [r["micro_batch"] for r in fitted], [r["peak_mib"] for r in fitted]
+        )
     memory_mib, memory_what = device_memory_mib(hw, p)
     usable = planner.usable_mib(memory_mib, p.memory.safety_margin)
     return Plan(

@@ -16,7 +16,7 @@ import torch
 
 from gradaccum.accumulation import schedule
 from gradaccum.experiment import variant_model
-from gradaccum.loop import evaluate, make_optimizer, make_scaler, train_epoch
+from gradaccum.loop import Learner, evaluate, train_epoch
 from gradaccum.memory import MIB, is_out_of_memory, peak_rss_mib
 from gradaccum.models import IMAGE_SIZE, ModelInputError, check_input
 from gradaccum.refusal import refuse
@@ -31,8 +31,8 @@ def measure_point(spec: RunSpec, steps: int, test_samples: int = 1000, last: int
     the next peak higher, so a sweep without the short micro-batch and the evaluation would predict a peak
     below the one training reaches."""
     device = torch.device(spec.device)
-    model, dtype = variant_model(spec, spec.seed, device), spec.dtype
-    opt, scaler = make_optimizer(model, spec.lr, spec.weight_decay), make_scaler(device, dtype)
+    model = variant_model(spec, spec.seed, device)
+    learner = Learner.of(model, spec, device)
     micro, classes = spec.micro_batch, spec.model.num_classes
     n = micro * spec.accum * steps + last
     images = torch.randint(0, 256, (n, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8, device=device)
@@ -48,12 +48,12 @@ def measure_point(spec: RunSpec, steps: int, test_samples: int = 1000, last: int
         seconds = 0.0
         for epoch in range(2):  # steps, the evaluation training does between epochs, steps again
             start = time.perf_counter()
-            train_epoch(model, opt, scaler, images, labels, order, batches, dtype)
+            train_epoch(learner, images, labels, order, batches)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds += time.perf_counter() - start
             if epoch == 0:  # its other-shaped buffers (the last chunk too) leave the allocator's heap fragmented,
-                evaluate(model, test_images, test_labels, spec.eval_batch, dtype)  # so later peaks rise
+                evaluate(model, test_images, test_labels, spec.eval_batch, spec.dtype)  # so later peaks rise
         row["seconds"] = round(seconds, 2)  # the first step's warm-up included
         row["images_per_s"] = round(2 * n / row["seconds"], 1)
     except Exception as err:

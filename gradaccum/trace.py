@@ -16,14 +16,11 @@ CPU scale keeps the CPU's policy: it is checked against the CPU's real allocator
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import multiprocessing
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -38,12 +35,11 @@ from gradaccum import allocator, autocast_policy
 from gradaccum.loop import make_optimizer, normalize
 from gradaccum.memory import MIB
 from gradaccum.models import IMAGE_SIZE, spec_model
-from gradaccum.params import Params, set_values
-from gradaccum.records import DEVICES, Hardware
-from gradaccum.spec import AutoUndecided, RunSpec, resolve, step_twin
-from gradaccum.tutorial import CLAIMS
+from gradaccum.params import Params
+from gradaccum.records import Hardware, Line
+from gradaccum.spec import AutoUndecided, RunSpec, resolve
 
-KINDS = {  # MemTracker's names for what holds memory -> ours
+TRACKER_KINDS = {  # MemTracker's names for what holds memory -> ours
     "Parameter": "parameters",
     "Buffer": "buffers",
     "Gradient": "gradients",
@@ -108,8 +104,8 @@ def steady_optimizer(
     return opt
 
 
-@dataclass(frozen=True)
-class Step:
+@dataclass(frozen=True, kw_only=True)
+class TracedStep:
     """One training step to trace: the model, the micro-batch and window it runs at, its classes, the autocast
     dtype, and what the input is.
 
@@ -139,16 +135,16 @@ class Step:
         return autocast_policy.release(self.torch_version) >= (2, 0)
 
     @classmethod
-    def of(cls, spec: RunSpec, fast_norm: bool = False) -> Step:
+    def of(cls, spec: RunSpec, fast_norm: bool = False) -> TracedStep:
         """The spec's step as its device trains it, its data resident; `fast_norm` with timm's fast norm."""
         build = partial(spec_model, spec)
         return cls(
-            with_fast_norm(build) if fast_norm else build,
-            spec.micro_batch,
-            spec.accum,
-            spec.model.num_classes,
-            spec.dtype,
-            spec.train_samples + spec.test_samples,
+            build=with_fast_norm(build) if fast_norm else build,
+            micro=spec.micro_batch,
+            accum=spec.accum,
+            num_classes=spec.model.num_classes,
+            dtype=spec.dtype,
+            resident=spec.train_samples + spec.test_samples,
         )
 
     def made(self, policy: str = autocast_policy.CPU, device: str = "cpu") -> tuple[nn.Module, Any, torch.Tensor]:
@@ -184,7 +180,7 @@ class Step:
 
 
 def trace_step(
-    s: Step, policy: str = autocast_policy.CPU, gpu: allocator.Gpu = allocator.STUDY_GPU, cards_mib: tuple = ()
+    s: TracedStep, policy: str = autocast_policy.CPU, gpu: allocator.Gpu = allocator.STUDY_GPU, cards_mib: tuple = ()
 ) -> dict[str, Any]:
     """MiB live at the peak of a steady-state step on fake tensors, in total and by kind, and whose rules cast it.
 
@@ -205,7 +201,7 @@ def trace_step(
             s.run(model, opt, device)
             events = list(tracker.events)
         (peak,) = tracker.get_tracker_snapshot("peak").values()  # one device
-    kinds = {ours: peak.get(theirs, 0) / MIB for theirs, ours in KINDS.items()}
+    kinds = {ours: peak.get(theirs, 0) / MIB for theirs, ours in TRACKER_KINDS.items()}
     row: dict[str, Any] = {"peak_mib": sum(kinds.values()), **{f"{k}_mib": v for k, v in kinds.items()}}
     row["autocast_policy"] = policy_name(policy, s.dtype, difference, s.torch_version)
     if policy in (autocast_policy.CUDA, autocast_policy.NATIVE_CUDA):
@@ -215,7 +211,7 @@ def trace_step(
     return row
 
 
-def allocated_peak_mib(s: Step) -> float:
+def allocated_peak_mib(s: TracedStep) -> float:
     """The same step on real CPU tensors: the peak of what PyTorch's CPU allocator handed out, from the
     profiler's record of every allocation and free (kernels' own workspaces included, which a trace misses)."""
     profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
@@ -285,10 +281,10 @@ def trace_variant(
     spec = traced_spec(p, variant, scale, accum)
     if spec is None:
         return row | {"note": "accum: auto is decided on the device that runs it; see python -m gradaccum.cards"}
-    s = Step.of(spec, fast_norm)
+    s = TracedStep.of(spec, fast_norm)
     row |= {"accum": spec.accum, "micro_batch": spec.micro_batch, "amp": spec.amp}
     row |= {"fast_norm": True} if fast_norm else {}
-    row |= trace_step(s, policy=autocast_policy.NATIVE_CUDA if native else spec.device)
+    row |= trace_step(s, policy=autocast_policy.NATIVE_CUDA if native else autocast_policy.of_device(spec.device))
     if allocated:
         row["allocated_peak_mib"] = allocated_peak_mib(s)
     return row
@@ -317,79 +313,21 @@ def policy_name(
     return "the CPU's"
 
 
-def peak_line(s: Step, micros: tuple[int, int], policy: str = autocast_policy.CPU) -> dict[str, Any]:
-    """The traced peak of `s` as a line in the micro-batch (a records.Line), from two sizes; under CUDA's policy
-    the predicted nvidia-smi figure (tensors, the allocator's cache, the context) instead.
+def peak_line(micros: tuple[int, int], rows: tuple[dict[str, Any], dict[str, Any]]) -> Line:
+    """The traced peak as a line in the micro-batch through two traced sizes (`figure` of each: under CUDA's
+    rules the predicted nvidia-smi figure, tensors, the allocator's cache and the context).
 
     The peak is the larger of the optimizer step's (flat) and backward's (growing exactly with the batch):
     two sizes where backward sets it give the line exactly, and a chord across both parts lies above the
     peak between them. Traced with a window's gradients held (accum > 1), the larger of the two steady
     states, so a suggested accum never falls short.
     """
-    rows = [trace_step(replace(s, micro=m, accum=2), policy) for m in micros]
     low, high = (figure(r) for r in rows)
     per_sample = (high - low) / (micros[1] - micros[0])
-    line = {"fixed_mib": low - per_sample * micros[0], "per_sample_mib": per_sample, "r2": 1.0}
-    return line | {"autocast_policy": rows[-1]["autocast_policy"]}
+    return Line(fixed_mib=low - per_sample * micros[0], per_sample_mib=per_sample)
 
 
 def figure(row: dict[str, float]) -> float:
     """The MiB a card must hold for a traced step: nvidia-smi's predicted figure where the step was traced
     under CUDA's rules (a GPU), the live tensors' peak elsewhere."""
     return row.get("gpu_nvidia_smi_mib", row["peak_mib"])
-
-
-def tutorial_settings(p: Params) -> Params:
-    """params at the tutorial's own settings, whatever params.yaml says: its batch and its accum (4 x 8192), so its
-    claims are held against the step it measured, not against this run's (after `dvc exp run -S accum=8`)."""
-    batch, accum = CLAIMS["batch"], CLAIMS["accum"]
-    return set_values(p.model_dump(), [f"scales.study.batch={batch}", f"accum={accum}"])
-
-
-def _job(p: Params, job: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
-    """One unit of `trace_all`'s work, in a worker process (one thread: two workers share two cores)."""
-    torch.set_num_threads(1)
-    kind, *args = job
-    if kind == "variant":
-        variant, scale = args
-        return job, trace_variant(p, variant, scale, allocated=scale == "cpu")
-    if kind == "fast_norm":
-        return job, trace_variant(p, args[0], "study", fast_norm=True)
-    if kind == "tutorial":
-        return job, trace_variant(tutorial_settings(p), args[0], "study")
-    from gradaccum import fit  # the cards: the engine that replays a step on each card is built on this module
-
-    return job, fit.study_cards(p, checkpointing=args[0] == "checkpointing")
-
-
-def trace_all(p: Params, workers: int = 2, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every variant at both scales (the CPU scale with the real allocator's peak beside the trace), and the
-    sweep's model's fewest micro-batches (plain, with checkpointing) at the study scale on each of
-    memory.cards_gb, replayed on the card (the GPU card table); in `workers` processes."""
-    twins = {v: twin for v in p.variants if (twin := step_twin(p, v))}  # the same step but the lr: traced once
-    jobs = [("variant", v, scale) for scale in DEVICES for v in p.variants if v not in twins]
-    jobs += [("cards", kind) for kind in ("plain", "checkpointing")]
-    treatment = p.variants[p.roles.treatment]
-    if (treatment.norm, treatment.swap) == ("group", "keep_act"):  # timm's fast norm against GroupNorm's float32
-        jobs.append(("fast_norm", p.roles.treatment))
-    jobs += [("tutorial", v) for v in (p.roles.baseline, p.roles.tutorial_code)]  # its GPU figures, at its settings
-    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of a process with threads
-    start = time.perf_counter()
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        done = dict(pool.map(partial(_job, p), jobs))
-    seconds = time.perf_counter() - start  # the workers' start-up (imports) included
-    for v, twin in twins.items():
-        for scale in DEVICES:
-            done[("variant", v, scale)] = done[("variant", twin, scale)] | {"variant": v, "same_step_as": twin}
-    rows = [done[("variant", v, scale)] for scale in DEVICES for v in p.variants]
-    for row in rows:
-        log(f"trace: {row['variant']} at the {row['scale']} scale: {row.get('peak_mib', 0):.0f} MiB")
-    return {
-        "rows": rows,
-        "study_cards": {kind: done[("cards", kind)] for kind in ("plain", "checkpointing")},  # replayed on each card
-        "fast_norm": [done[job] for job in jobs if job[0] == "fast_norm"],  # timm's fast norm, one variant
-        "tutorial_settings": [done[job] for job in jobs if job[0] == "tutorial"],  # at 4 x 8192, whatever accum is
-        "torch": torch.__version__,
-        "gpu_assumptions": allocator.GPU_ASSUMPTIONS,  # what the study scale's nvidia-smi figures assume
-        "compute_seconds": seconds,
-    }

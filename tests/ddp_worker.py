@@ -69,7 +69,7 @@ def one_epoch(n: int, accum: int, no_sync: bool, rank: int, world: int) -> tuple
     images, labels, perm = window_data(n)
     plan = schedule(len(perm), micro_batch_size(n, accum * world), accum, rank=rank, world=world)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loop.train_epoch(model, opt, scaler, images, labels, perm, plan, None, no_sync=no_sync)
+    loop.train_epoch(loop.Learner(model, opt, scaler, None), images, labels, perm, plan, no_sync=no_sync)
     return seen, len(calls)
 
 

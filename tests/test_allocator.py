@@ -109,13 +109,15 @@ def test_a_traced_linear_step_replays_to_the_hand_count_rounded() -> None:
     weight-sized blocks, one 2 MiB small segment the counter and the data, and the workspaces their own."""
     weight = 784 * 1000 * 4
     build = lambda: nn.Sequential(nn.Flatten(), nn.Linear(784, 1000, bias=False))  # noqa: E731
-    r = trace.trace_step(trace.Step(build, 1, 1, 10, None, 1000), policy="cuda")
+    r = trace.trace_step(
+        trace.TracedStep(build=build, micro=1, accum=1, num_classes=10, dtype=None, resident=1000), policy="cuda"
+    )
     workspaces = allocator.CUBLAS_WORKSPACES * allocator.CUBLAS_WORKSPACE
     assert r["peak_mib"] * MIB == 5 * weight + 4 + 784_000  # the live tensors, unrounded
     assert r["gpu_allocated_mib"] * MIB == 5 * weight + 512 + 784_384 + workspaces
     assert r["gpu_reserved_mib"] * MIB == 20 * MIB + 2 * MIB + workspaces
     assert "gpu_reserved_mib" not in trace.trace_step(
-        trace.Step(build, 1, 1, 10, None, 1000), policy="cpu"
+        trace.TracedStep(build=build, micro=1, accum=1, num_classes=10, dtype=None, resident=1000), policy="cpu"
     )  # CUDA's only
 
 

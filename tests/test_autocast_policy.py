@@ -81,9 +81,15 @@ def test_a_model_calling_a_differing_op_is_refused_naming_it(monkeypatch: pytest
         return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8), nn.RMSNorm(8))
 
     with pytest.raises(autocast_policy.PolicyMismatch, match=r"calls aten::rms_norm, and torch .* lacks rms_norm"):
-        trace.trace_step(trace.Step(build, 4, 1, 8, torch.float16), policy=autocast_policy.CUDA)
+        trace.trace_step(
+            trace.TracedStep(build=build, micro=4, accum=1, num_classes=8, dtype=torch.float16),
+            policy=autocast_policy.CUDA,
+        )
     assert (
-        trace.trace_step(trace.Step(build, 4, 1, 8, torch.float16))["peak_mib"] > 0
+        trace.trace_step(trace.TracedStep(build=build, micro=4, accum=1, num_classes=8, dtype=torch.float16))[
+            "peak_mib"
+        ]
+        > 0
     )  # the CPU's rules: no question arises
     monkeypatch.setattr(autocast_policy, "POLICIES", {k: v for k, v in autocast_policy.POLICIES.items() if k != "exp"})
     with autocast_policy.cuda_policy() as diff, torch.autocast("cpu", dtype=torch.float16):
@@ -212,7 +218,12 @@ def test_a_groupnorm_model_traced_under_cudas_policy_counts_float32_where_cuda_s
     n = micro * channels * 28 * 28
 
     def traced(policy: str) -> dict[str, float]:
-        return trace.trace_step(trace.Step(lambda: norm_model(channels), micro, 2, 10, torch.float16), policy=policy)
+        return trace.trace_step(
+            trace.TracedStep(
+                build=lambda: norm_model(channels), micro=micro, accum=2, num_classes=10, dtype=torch.float16
+            ),
+            policy=policy,
+        )
 
     cuda, cpu = traced(autocast_policy.CUDA), traced(autocast_policy.CPU)
     assert cuda["temporaries_mib"] * MIB == 8 * n
@@ -266,8 +277,12 @@ def test_the_traced_gpu_step_holds_adamws_foreach_temporaries() -> None:
         return nn.Sequential(nn.Conv2d(1, 64, 3, stride=4), *convs, *head)
 
     sizes = [p.numel() * 4 / MIB for p in build().parameters()]
-    on_cpu = trace.trace_step(trace.Step(build, 1, 1, 10, None), policy=autocast_policy.CPU)
-    on_gpu = trace.trace_step(trace.Step(build, 1, 1, 10, None), policy=autocast_policy.CUDA)
+    on_cpu = trace.trace_step(
+        trace.TracedStep(build=build, micro=1, accum=1, num_classes=10, dtype=None), policy=autocast_policy.CPU
+    )
+    on_gpu = trace.trace_step(
+        trace.TracedStep(build=build, micro=1, accum=1, num_classes=10, dtype=None), policy=autocast_policy.CUDA
+    )
     assert on_cpu["activations_mib"] == on_gpu["activations_mib"] == 0  # the step's peak, after backward
     assert on_gpu["peak_mib"] - on_cpu["peak_mib"] == pytest.approx(sum(sizes) - 2 * max(sizes), rel=1e-3)
 

@@ -15,7 +15,7 @@ from torchvision import datasets, transforms
 from benchmarks import cross_cpu
 from benchmarks.run import tutorial_loop, write_idx
 from gradaccum import params
-from gradaccum.loop import normalize
+from gradaccum.loop import Learner, normalize
 from gradaccum.records import VariantRecord
 from gradaccum.report.tables import seed_mean
 
@@ -39,7 +39,7 @@ def test_torchvision_mnist_reads_the_written_idx_files(tmp_path: Path) -> None:
     before = model[1].weight.clone()
     opt = torch.optim.AdamW(model.parameters())
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    tutorial_loop(model, opt, scaler, DataLoader(ds, batch_size=5), 2, torch.device("cpu"), None)
+    tutorial_loop(Learner(model, opt, scaler, None), DataLoader(ds, batch_size=5), 2, torch.device("cpu"))
     assert not torch.equal(before, model[1].weight)
 
 

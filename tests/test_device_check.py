@@ -101,7 +101,7 @@ def test_the_device_check_passes_its_twin(twin: dict[str, str]) -> None:
     assert list(memory["variants"]) == list(variants)
     for v, packed in memory["variants"].items():
         record = json.loads(packed["metrics.json"])
-        assert record["fit"] and record["batch"] == 32 and record["memory"]["rss_peak_mib"] > 0, v
+        assert record["completed"] and record["batch"] == 32 and record["memory"]["rss_peak_mib"] > 0, v
         assert {"epochs.tsv", "steps.tsv", "memory.csv", "nvidia-smi.txt"} <= set(packed), v
     assert memory["provenance.json"]["dataset"] == "fashion_mnist" and memory["provenance.json"]["kind"] == "local"
     assert {r["variant"] for r in memory["trace.json"]["rows"]} == set(variants)  # the carried prediction
@@ -150,7 +150,7 @@ def test_the_bundle_refuses_a_data_folder_without_the_four_files(tmp_path: Path)
 
 
 def packed_record(stage_seconds: float, train_seconds: float) -> dict[str, str]:
-    record = {"fit": True, "stage_seconds": stage_seconds, "train_seconds": train_seconds}
+    record = {"completed": True, "stage_seconds": stage_seconds, "train_seconds": train_seconds}
     return {"metrics.json": json.dumps(record)}
 
 

@@ -23,7 +23,17 @@ def linear(inputs: int = 3 * 8 * 8) -> nn.Module:
 
 def test_a_dataloaders_batch_arrives_each_step_as_float32_of_the_inputs_shape() -> None:
     """A linear model, float32, SGD: weights, gradients, the float32 batch (the layer saves it) and the logits."""
-    step = trace.Step(linear, 512, 1, 10, None, 0, (3, 8, 8), "float32", "sgd")
+    step = trace.TracedStep(
+        build=linear,
+        micro=512,
+        accum=1,
+        num_classes=10,
+        dtype=None,
+        resident=0,
+        input=(3, 8, 8),
+        arrives="float32",
+        optimizer="sgd",
+    )
     r = trace.trace_step(step)
     weights = 3 * 8 * 8 * 10 * 4 / MIB
     batch = 512 * 3 * 8 * 8 * 4 / MIB
@@ -37,7 +47,7 @@ def test_a_dataloaders_batch_arrives_each_step_as_float32_of_the_inputs_shape() 
 
 
 def test_the_answer_has_every_figure_and_a_card_answer_that_fits_its_own_trace() -> None:
-    q = fit.Question("test_resnet", (3, 32, 32), 10, batch=64, cards=(0.55, 80.0), margin=0.0)
+    q = fit.Question(model="test_resnet", input=(3, 32, 32), num_classes=10, batch=64, cards=(0.55, 80.0), margin=0.0)
     a = fit.answer(q)
     assert {"allocated_mib", "reserved_mib", "nvidia_smi_mib", "tensors_mib", "cards"} <= set(a)
     assert a["allocated_mib"] <= a["reserved_mib"] < a["nvidia_smi_mib"]
@@ -62,7 +72,7 @@ def test_the_answer_has_every_figure_and_a_card_answer_that_fits_its_own_trace()
 def test_the_smallest_accum_is_traced_and_raised_until_it_fits() -> None:
     """A line proposes, the card decides: the answer's own step fits the card, the next larger micro-batch's does
     not, and no smaller accum has the answer's micro-batch."""
-    q = fit.Question("test_efficientnet", (3, 64, 64), 10, batch=256, cards=(80.0,))
+    q = fit.Question(model="test_efficientnet", input=(3, 64, 64), num_classes=10, batch=256, cards=(80.0,))
     whole = fit.question_engine(q).need(1)
     half = (whole + allocator.CUDA_CONTEXT / MIB) / 2 / 1024  # a card about half what the whole batch needs
     engine = fit.question_engine(replace(q, cards=(half,), margin=0.0))
@@ -74,7 +84,7 @@ def test_the_smallest_accum_is_traced_and_raised_until_it_fits() -> None:
 
 
 def test_the_gpu_sets_the_cublas_workspace_and_the_card() -> None:
-    q = fit.Question("test_resnet", (3, 32, 32), 10, batch=16, cards=(80.0,))
+    q = fit.Question(model="test_resnet", input=(3, 32, 32), num_classes=10, batch=16, cards=(80.0,))
     h100 = fit.answer(q)
     a100 = fit.answer(replace(q, gpu=allocator.GPUS["a100-40gb"]))
     workspaces = allocator.CUBLAS_WORKSPACES * (allocator.CUBLAS_WORKSPACE - allocator.CUBLAS_WORKSPACE_BEFORE_SM90)
@@ -84,7 +94,9 @@ def test_the_gpu_sets_the_cublas_workspace_and_the_card() -> None:
 
 def test_a_model_that_reads_values_while_built_is_built_for_real_then_made_fake() -> None:
     """torchvision's vit_b_16 cannot be built under fake tensors; its weights are real, then faked: 86.6 M of them."""
-    a = fit.answer(fit.Question("torchvision:vit_b_16", (3, 224, 224), 1000, batch=2, cards=(80.0,)))
+    a = fit.answer(
+        fit.Question(model="torchvision:vit_b_16", input=(3, 224, 224), num_classes=1000, batch=2, cards=(80.0,))
+    )
     assert a["tensors_mib"]["weights"] == pytest.approx(86_567_656 * 4 / MIB, rel=0.01)
 
 
@@ -156,7 +168,17 @@ def test_torch_1_7s_float32_gelu_keeps_the_mlps_hidden_layer_in_four_bytes() -> 
     def mlp() -> nn.Module:
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 256), nn.GELU(), nn.Linear(256, 10))
 
-    step = trace.Step(mlp, 512, 1, 10, torch.float16, 0, (3, 8, 8), "float32", "sgd")
+    step = trace.TracedStep(
+        build=mlp,
+        micro=512,
+        accum=1,
+        num_classes=10,
+        dtype=torch.float16,
+        resident=0,
+        input=(3, 8, 8),
+        arrives="float32",
+        optimizer="sgd",
+    )
     now, then = (trace.trace_step(replace(step, torch_version=v), autocast_policy.CUDA) for v in ("2.14.1", "1.7.1"))
     assert then["peak_mib"] - now["peak_mib"] >= 512 * 256 * 2 / MIB
     assert "as of torch 1.7.1" in then["autocast_policy"] and "gelu in float32" in then["autocast_policy"]
@@ -165,7 +187,18 @@ def test_torch_1_7s_float32_gelu_keeps_the_mlps_hidden_layer_in_four_bytes() -> 
 def test_before_torch_2_zero_grad_kept_the_gradients_through_the_next_step() -> None:
     """A linear model, float32, SGD, accum 1: torch 1.13's zero_grad() zeroes the gradient and keeps it, so the whole
     gradient is live at the peak; torch 2.0's frees it, and the peak sees none until backward makes it."""
-    step = trace.Step(linear, 512, 1, 10, None, 0, (3, 8, 8), "float32", "sgd", torch_version="1.13.1")
+    step = trace.TracedStep(
+        build=linear,
+        micro=512,
+        accum=1,
+        num_classes=10,
+        dtype=None,
+        resident=0,
+        input=(3, 8, 8),
+        arrives="float32",
+        optimizer="sgd",
+        torch_version="1.13.1",
+    )
     weights = 3 * 8 * 8 * 10 * 4 / MIB
     assert not step.set_to_none and trace.trace_step(step)["gradients_mib"] == pytest.approx(weights)
     later = replace(step, torch_version="2.0.0")
@@ -175,7 +208,17 @@ def test_before_torch_2_zero_grad_kept_the_gradients_through_the_next_step() -> 
 def test_a_batch_cast_on_its_way_to_the_gpu_keeps_no_float32_copy() -> None:
     """`.to(device, float16)` under float16 autocast: the first layer saves the batch itself, where a float32 batch
     stays live beside the float16 copy autocast makes for the layer: the float32 batch's bytes fewer."""
-    step = trace.Step(linear, 512, 1, 10, torch.float16, 0, (3, 8, 8), "float32", "sgd")
+    step = trace.TracedStep(
+        build=linear,
+        micro=512,
+        accum=1,
+        num_classes=10,
+        dtype=torch.float16,
+        resident=0,
+        input=(3, 8, 8),
+        arrives="float32",
+        optimizer="sgd",
+    )
     full, half = (trace.trace_step(replace(step, arrives=d), autocast_policy.CUDA) for d in ("float32", "float16"))
     assert full["activations_mib"] - half["activations_mib"] == pytest.approx(512 * 3 * 8 * 8 * 4 / MIB)
 
@@ -190,14 +233,14 @@ def test_a_model_without_checkpointing_that_does_not_fit_is_answered_without_tha
 
 
 def test_the_smallest_accum_is_the_smallest_even_when_a_larger_one_was_asked() -> None:
-    q = fit.Question("test_resnet", (3, 32, 32), 10, batch=64, accum=8, cards=(80.0,))
+    q = fit.Question(model="test_resnet", input=(3, 32, 32), num_classes=10, batch=64, accum=8, cards=(80.0,))
     (card,) = fit.answer(q)["cards"]
     assert card["fits"] and card["smallest_accum"]["accum"] == 1
 
 
 def test_a_card_that_fits_only_by_freeing_the_cache_says_so() -> None:
     """The answer names the slower path wherever the allocator had to free its cache (allocator.on_card)."""
-    q = fit.Question("test_resnet", (3, 32, 32), 10, batch=64, cards=(80.0,))
+    q = fit.Question(model="test_resnet", input=(3, 32, 32), num_classes=10, batch=64, cards=(80.0,))
     a = fit.answer(q)
     assert a["cards"][0]["fits"] and a["cards"][0]["cache_frees"] == 0 and fit.FREES not in fit.printout(a)
     a["cards"][0]["cache_frees"] = 1

@@ -73,7 +73,7 @@ def inputs_in_place(workdir: Path) -> None:
         format=1, cudnn=CudnnRun(),
         variant="baseline", norm="batch", weighting="exact", epoch_end_step=True, swap="keep_act", accum=1,
         accum_setting=1, micro_batch=32, batch=32, lr=1e-3, scale="cpu", device="cpu", amp="float32",
-        train_samples=64, test_samples=32, parameters=1, fit=True, optimizer_steps=2, skipped_steps=0,
+        train_samples=64, test_samples=32, parameters=1, completed=True, optimizer_steps=2, skipped_steps=0,
         train_seconds=1.0,
         memory=MemoryPeaks(samples=1, interval_ms=200, rss_peak_mib=1.0),
     )  # fmt: skip

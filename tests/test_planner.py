@@ -14,19 +14,19 @@ MODEL = Line(fixed_mib=1000.0, per_sample_mib=3.5)
 
 def test_fit_recovers_a_line() -> None:
     micro = [256, 512, 1024, 2048, 4096]
-    fit = planner.fit_line(micro, [1000 + 3.5 * m for m in micro])
+    fit = planner.line_through_points(micro, [1000 + 3.5 * m for m in micro])
     assert fit.fixed_mib == pytest.approx(1000) and fit.per_sample_mib == pytest.approx(3.5)
     assert fit.r2 == pytest.approx(1.0)
 
 
 def test_fit_with_noise_reports_r2() -> None:
-    fit = planner.fit_line([1, 2, 3, 4], [10, 13, 15, 19])
+    fit = planner.line_through_points([1, 2, 3, 4], [10, 13, 15, 19])
     assert 0.9 < fit.r2 < 1.0 and fit.per_sample_mib == pytest.approx(2.9)
 
 
 def test_fit_needs_two_sizes() -> None:
     with pytest.raises(ValueError, match="two or more distinct micro-batch sizes"):
-        planner.fit_line([512, 512], [1.0, 2.0])
+        planner.line_through_points([512, 512], [1.0, 2.0])
 
 
 def test_largest_micro_batch_and_smallest_accum() -> None:
@@ -77,7 +77,7 @@ def test_options_per_lever_fastest_first() -> None:
 def test_a_bent_curve_is_predicted_from_its_points_not_under_them() -> None:
     """Checkpointing's peaks on the CPU (measured): the line alone predicted 3% under the middle point."""
     micro, peaks = [64, 256, 512], [896.0, 1170.0, 1395.0]
-    fit = planner.fit_line(micro, peaks)
+    fit = planner.line_through_points(micro, peaks)
     assert fit.fixed_mib + fit.per_sample_mib * 256 < 0.97 * 1170  # what the line alone would say
     assert [planner.predict_mib(fit, m) for m in micro] == peaks
     assert planner.predict_mib(fit, 160) == pytest.approx(896 + (1170 - 896) * 96 / 192)  # joined
@@ -86,12 +86,12 @@ def test_a_bent_curve_is_predicted_from_its_points_not_under_them() -> None:
 
 
 def test_a_noisy_small_point_never_lowers_a_larger_ones_prediction() -> None:
-    fit = planner.fit_line([64, 128, 256], [900.0, 890.0, 1100.0])
+    fit = planner.line_through_points([64, 128, 256], [900.0, 890.0, 1100.0])
     assert fit.points == [(64, 900.0), (128, 900.0), (256, 1100.0)]
 
 
 def test_largest_micro_batch_inverts_the_joined_points() -> None:
-    fit = planner.fit_line([64, 256, 512], [896.0, 1170.0, 1395.0])
+    fit = planner.line_through_points([64, 256, 512], [896.0, 1170.0, 1395.0])
     for budget in (900.0, 1000.0, 1170.0, 1300.0, 2000.0):
         m = planner.largest_micro_batch(fit, budget, 4096)
         assert planner.predict_mib(fit, m) <= budget < planner.predict_mib(fit, m + 1)

@@ -106,7 +106,7 @@ def variant_outputs(
         "test_samples": 10000 if cuda else 1000,
         "dataset": "mirror",
         "parameters": 4019782,
-        "fit": fit,
+        "completed": fit,
         "not_run": not_run,
         "did_not_fit": None
         if fit or not_run
@@ -246,7 +246,7 @@ def fixture_run(root: Path, device: str) -> dict[str, dict[str, Any]]:
     for name, m in metrics.items():
         if m["not_run"]:
             speed[name] = {"not_run": m["not_run"]}
-        elif not m["fit"]:
+        elif not m["completed"]:
             speed[name] = {"did_not_fit": "out of memory: CUDA out of memory"}
         else:
             rounds = [1000.0 / m["accum"] * f for f in ROUND_FACTORS[name]]
@@ -380,13 +380,13 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
         row = rows[name]
         assert int(row["accum"]) == m["accum"] and int(row["micro-batch"]) == m["micro_batch"]
         assert float(row["lr"]) == m["lr"] and int(row["optimizer steps"]) == m["optimizer_steps"]
-        if m["fit"] and m["seeds"]:  # the mean over seeds, then the range
+        if m["completed"] and m["seeds"]:  # the mean over seeds, then the range
             losses = [r["final_train_loss"] for r in m["seeds"]]
             assert row["final train loss"] == f"{sum(losses) / 3:.4f} ({min(losses):.4f} to {max(losses):.4f})"
-        elif m["fit"]:
+        elif m["completed"]:
             assert float(row["final train loss"]) == pytest.approx(m["final_train_loss"], abs=5e-5)
             assert float(row["test accuracy"]) == pytest.approx(m["test_accuracy"], abs=5e-5)
-        if m["fit"]:
+        if m["completed"]:
             assert float(row["images/s (not comparable: sequential runs)"]) == pytest.approx(
                 m["images_per_second"], abs=0.05
             )
@@ -447,10 +447,10 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
         shown = rows[name]["peak memory (MiB)"]
         assert summary[name]["peak_mib"] == (pytest.approx(float(shown), abs=0.05) if shown != "-" else None)
         accuracy = [r["test_accuracy"] for r in m["seeds"]] or [m["test_accuracy"]]  # the mean over seeds
-        expected = round(sum(accuracy) / len(accuracy), 4) if m["fit"] else None
+        expected = round(sum(accuracy) / len(accuracy), 4) if m["completed"] else None
         assert summary[name]["acc"] == expected and set(summary[name]) == {"peak_mib", "loss", "acc", "img_s"}
-        assert summary[name]["loss"] == (round(mean_loss(m), 4) if m["fit"] else None)
-        fair = 1000.0 / m["accum"] * ROUND_FACTORS[name][1] if m["fit"] else None  # the interleaved median
+        assert summary[name]["loss"] == (round(mean_loss(m), 4) if m["completed"] else None)
+        fair = 1000.0 / m["accum"] * ROUND_FACTORS[name][1] if m["completed"] else None  # the interleaved median
         assert summary[name]["img_s"] == (pytest.approx(fair) if fair else None)
     if device == "cpu":
         assert summary["memory_ratio"] == pytest.approx(acc_peak / base_peak, abs=1e-4)
@@ -500,7 +500,7 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     assert first["What does it cost?"][here].endswith(": slower in all 3 rounds (sign test p = 0.25: could be chance).")
     claims = {r["tutorial's claim"]: r for r in md_table(md, "The tutorial's claims against this run")}
     alone = claims["(this study) accumulation alone changes nothing: same norm, same lr, accum 1"]
-    rss = {n: m["memory"]["rss_peak_mib"] for n, m in metrics.items() if m["fit"]}
+    rss = {n: m["memory"]["rss_peak_mib"] for n, m in metrics.items() if m["completed"]}
     if device == "cpu":
         assert f"peak {rss['accumulation']:.0f} vs {rss['groupnorm']:.0f} MiB" in alone["measured"]
     assert alone["verdict"].startswith("holds: the loss changes by +0.0000 (+0.0e+00), ")
@@ -520,7 +520,7 @@ def test_report_from_fixture_outputs(workdir: Path, device: str) -> None:
     assert traced["accumulation"]["traced peak (GiB)"] == f"{(105 + 0.78 * 8192) / 1024:.2f}"
     acc_tensors = 105 + 0.78 * 8192
     assert traced["accumulation"]["nvidia-smi, predicted (GiB)"] == f"{(acc_tensors * 1.05 + 564) / 1024:.2f}"
-    if device == "cuda" and metrics["accumulation"]["fit"]:  # the GPU's own figures beside the predictions
+    if device == "cuda" and metrics["accumulation"]["completed"]:  # the GPU's own figures beside the predictions
         allocated = metrics["accumulation"]["memory"]["torch_max_allocated_mib"]
         shown = float(traced["accumulation"]["allocated: predicted / measured"])
         assert shown == pytest.approx((acc_tensors + 64) / allocated, abs=1e-3)
@@ -724,7 +724,7 @@ def gpu_record(accum: int, smi_mib: float) -> VariantRecord:
             "format": 1, "variant": "tutorial_accumulation", "norm": "group", "weighting": "divide",
             "epoch_end_step": False, "swap": "plain", "cudnn": {}, "accum": accum, "accum_setting": accum,
             "micro_batch": 32768 // accum, "batch": 32768, "lr": 3e-4, "scale": "study", "device": "cuda",
-            "amp": "float16", "train_samples": 60000, "test_samples": 10000, "parameters": 1, "fit": True,
+            "amp": "float16", "train_samples": 60000, "test_samples": 10000, "parameters": 1, "completed": True,
             "optimizer_steps": 2, "skipped_steps": 0, "train_seconds": 1.0,
             "memory": {"samples": 1, "interval_ms": 200, "rss_peak_mib": 1.0, "nvidia_smi_peak_mib": smi_mib},
         }
@@ -812,12 +812,13 @@ def test_the_findings_hold_the_numbers_and_the_first_screen_words_them(workdir: 
     speed = json.loads((workdir / "reports/speed.json").read_text())
     plan = Plan.model_validate_json((workdir / "reports/sweep/planner.json").read_text())
     found = tables.findings(results, ROLES, speed, plan)
-    rss = {n: m["memory"]["rss_peak_mib"] for n, m in metrics.items() if m["fit"]}
+    rss = {n: m["memory"]["rss_peak_mib"] for n, m in metrics.items() if m["completed"]}
     assert found.memory_ratio == pytest.approx(rss["accumulation"] / rss["baseline"])
     assert found.ratio("treatment", "norm_control") == pytest.approx(rss["accumulation"] / rss["groupnorm"])
     fixed = plan.line.fixed_mib
     assert found.growing == pytest.approx((rss["accumulation"] - fixed, rss["baseline"] - fixed))
-    loss = {n: sum(s["final_train_loss"] for s in m["seeds"]) / len(m["seeds"]) for n, m in metrics.items() if m["fit"]}
+    ended = {n: m for n, m in metrics.items() if m["completed"]}
+    loss = {n: sum(s["final_train_loss"] for s in m["seeds"]) / len(m["seeds"]) for n, m in ended.items()}
     total, lr_part, norm_part = found.loss_split
     assert total == pytest.approx(loss["groupnorm"] - loss["baseline"])
     assert (lr_part, norm_part) == pytest.approx((loss["batchnorm_lr"] - loss["baseline"], total - lr_part))

@@ -89,9 +89,9 @@ def test_a_point_ends_each_pass_with_trainings_short_micro_batch(p: params.Param
     seen: list[list[int]] = []
     real = sweep_point.train_epoch
 
-    def spy(model, opt, scaler, images, labels, order, plan, dtype):  # noqa: ANN001, ANN202
+    def spy(learner, images, labels, order, plan):  # noqa: ANN001, ANN202
         seen.append([mb.stop - mb.start for mb in plan])
-        return real(model, opt, scaler, images, labels, order, plan, dtype)
+        return real(learner, images, labels, order, plan)
 
     monkeypatch.setattr(sweep_point, "train_epoch", spy)
     row = sweep_point.measure_point(

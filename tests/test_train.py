@@ -73,8 +73,8 @@ def test_scaler_steps_only_at_window_boundaries() -> None:
     opt = torch.optim.AdamW(model.parameters())
     images, labels = torch.randint(0, 256, (70, 28, 28), dtype=torch.uint8), torch.randint(0, 10, (70,))
     plan = schedule(70, 10, 3)  # 7 micro-batches: windows of 3, 3, 1
-    _, steps, skipped = loop.train_epoch(model, opt, scaler, images, labels, torch.arange(70), plan, None)
-    assert steps == 3 and skipped == 0
+    run = loop.train_epoch(loop.Learner(model, opt, scaler, None), images, labels, torch.arange(70), plan)
+    assert run.steps == 3 and run.skipped == 0
     assert scaler.events == ["backward"] * 3 + ["step"] + ["backward"] * 3 + ["step"] + ["backward", "step"]
 
 
@@ -86,10 +86,9 @@ def test_skipped_steps_are_counted() -> None:
     opt = torch.optim.AdamW(model.parameters())
     images, labels = torch.randint(0, 256, (40, 28, 28), dtype=torch.uint8), torch.randint(0, 10, (40,))
     before = [p.clone() for p in model.parameters()]
-    _, steps, skipped = loop.train_epoch(
-        model, opt, scaler, images, labels, torch.arange(40), schedule(40, 10, 2), None
-    )
-    assert steps == 2 and skipped == 2
+    learner = loop.Learner(model, opt, scaler, None)
+    run = loop.train_epoch(learner, images, labels, torch.arange(40), schedule(40, 10, 2))
+    assert run.steps == 2 and run.skipped == 2
     assert all(torch.equal(a, b) for a, b in zip(before[:2], list(model.parameters())[:2], strict=True))
 
 
@@ -147,7 +146,7 @@ def test_out_of_memory_is_a_result(workdir: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(experiment, "train", oom)
     train_stage.main("baseline")
     metrics = json.loads((workdir / "reports/variants/baseline/metrics.json").read_text())
-    assert metrics["fit"] is False and "out of memory" in metrics["did_not_fit"]["reason"]
+    assert metrics["completed"] is False and "out of memory" in metrics["did_not_fit"]["reason"]
     assert metrics["micro_batch"] == CPU_BATCH and metrics["final_train_loss"] is None
     assert (workdir / "reports/variants/baseline/epochs.tsv").read_text().startswith("epoch\ttrain_loss")
     assert torch.load(workdir / "data/models/baseline.pt", weights_only=True) == {}
@@ -159,7 +158,7 @@ def test_over_host_budget_is_not_run(workdir: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(experiment, "train", lambda *a, **k: pytest.fail("must not train"))
     train_stage.main("baseline")  # 800 + 100 MiB x the CPU batch is far over the 16 GB budget
     metrics = json.loads((workdir / "reports/variants/baseline/metrics.json").read_text())
-    assert metrics["fit"] is False and "over memory.host_budget_gb" in metrics["did_not_fit"]["reason"]
+    assert metrics["completed"] is False and "over memory.host_budget_gb" in metrics["did_not_fit"]["reason"]
     assert metrics["did_not_fit"]["memory_at_failure_mib"] == 800 + 100 * CPU_BATCH
 
 
@@ -178,7 +177,7 @@ def test_bfloat16_is_not_run_on_a_cpu_that_emulates_it(
     if native:
         assert trained == [torch.bfloat16] and metrics["not_run"] is None
     else:
-        assert trained == [] and metrics["fit"] is False and metrics["did_not_fit"] is None
+        assert trained == [] and metrics["completed"] is False and metrics["did_not_fit"] is None
         assert "no bfloat16 kernels" in metrics["not_run"] and "train.emulated_bfloat16: true" in metrics["not_run"]
         (workdir / "params.yaml").write_text(
             (workdir / "params.yaml").read_text().replace("emulated_bfloat16: false", "emulated_bfloat16: true")
@@ -262,15 +261,15 @@ def test_tutorial_loop_carries_gradient_into_the_next_epoch() -> None:
     images, labels = torch.randint(0, 256, (70, 28, 28), dtype=torch.uint8), torch.randint(0, 10, (70,))
     plan = schedule(70, 10, 3, weighting="divide", epoch_end_step=False)
     for _ in range(2):
-        _, steps, _ = loop.train_epoch(model, opt, scaler, images, labels, torch.arange(70), plan, None)
-        assert steps == 2
+        run = loop.train_epoch(loop.Learner(model, opt, scaler, None), images, labels, torch.arange(70), plan)
+        assert run.steps == 2
         assert all(p.grad is not None for p in model.parameters())  # the leftover gradient waits for epoch 2
     per_step = [len(run) for run in "".join("b" if e == "backward" else "|" for e in scaler.events).split("|")]
     assert per_step == [3, 3, 4, 3, 1]  # epoch 2's first step: 1 carried micro-batch + 3; the last is never applied
 
     model, scaler = tiny_model(), SpyScaler()
     opt = torch.optim.AdamW(model.parameters())
-    loop.train_epoch(model, opt, scaler, images, labels, torch.arange(70), schedule(70, 10, 3), None)
+    loop.train_epoch(loop.Learner(model, opt, scaler, None), images, labels, torch.arange(70), schedule(70, 10, 3))
     assert all(p.grad is None for p in model.parameters())  # exact: the epoch ends with a step, nothing carried
 
 
@@ -332,19 +331,12 @@ def test_a_loss_per_optimizer_step_whose_weighted_mean_is_the_epoch_loss() -> No
     plan = schedule(70, 10, 3)  # windows of 30, 30 and 10 samples
     with torch.no_grad():  # the first window, on the untouched model
         first = float(F.cross_entropy(model(loop.normalize(images[:30])), labels[:30]))
-    losses: list[float] = []
-    epoch_loss, steps, _ = loop.train_epoch(
-        model,
-        torch.optim.AdamW(model.parameters()),
-        torch.amp.GradScaler("cpu", enabled=False),
-        images,
-        labels,
-        torch.arange(70),
-        plan,
-        None,
-        step_losses=losses,
+    learner = loop.Learner(
+        model, torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu", enabled=False), None
     )
-    assert steps == len(losses) == 3
+    run = loop.train_epoch(learner, images, labels, torch.arange(70), plan)
+    losses, epoch_loss = run.step_losses, run.loss
+    assert run.steps == len(losses) == 3
     assert losses[0] == pytest.approx(first, rel=1e-5)
     assert (30 * losses[0] + 30 * losses[1] + 10 * losses[2]) / 70 == pytest.approx(epoch_loss, rel=1e-6)
     rows = loop.train(tiny_model(), digits(128), tiny_spec(lr=1e-3, epochs=2), 0).steps

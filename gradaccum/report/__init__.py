@@ -10,19 +10,16 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass
 from importlib.metadata import version
-from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import yaml
-from pydantic import ValidationError
 
 from gradaccum import planner
-from gradaccum.outputs import MissingInput
 from gradaccum.params import Params
-from gradaccum.records import Cpu, Hardware, Plan, VariantRecord, invalid
+from gradaccum.records import Cpu, Hardware, Plan
 from gradaccum.report import figures, tables, traced
 from gradaccum.report.document import Report
+from gradaccum.report.tables import load_variants
 from gradaccum.tutorial import CLAIM_TOLERANCE
 
 __all__ = ["Inputs", "Report", "build", "load_variants"]
@@ -44,30 +41,6 @@ class Inputs:
     validation: dict[str, Any] | None = None  # gradaccum.fit against published GPU measurements (docs/)
     snapshots: dict[str, str] | None = None  # variant -> nvidia-smi text at its peak (GPU)
     histories: dict[str, tuple[str, int]] | None = None  # variant -> (PyTorch memory snapshot file, bytes)
-
-
-def load_variants(names: list[str], folder: Path) -> tables.Results:
-    """Each variant's record, epochs and memory timeline from `folder/<variant>/`; variants not run are left out."""
-    results = {}
-    for name in names:
-        d = folder / name
-        if not (d / "metrics.json").exists():
-            continue
-        try:
-            results[name] = tables.VariantResult(
-                record=VariantRecord.read(d / "metrics.json"),
-                epochs=pd.read_csv(d / "epochs.tsv", sep="\t"),
-                timeline=pd.read_csv(d / "memory.csv"),
-                steps=pd.read_csv(d / "steps.tsv", sep="\t"),
-            )
-        except (OSError, ValueError) as err:  # a missing curve, a damaged record (pydantic's error is a ValueError)
-            first = invalid(err) if isinstance(err, ValidationError) else str(err).splitlines()[0]
-            raise MissingInput(
-                f"{d}/ cannot be read ({type(err).__name__}: {first}): `dvc repro -f train@{name}` makes it again"
-            ) from None
-    if not results:
-        raise MissingInput(f"no variant has a metrics.json under {folder}/: `dvc repro train` makes them")
-    return results
 
 
 def carries_over(plan: Plan | None) -> str:
@@ -291,7 +264,7 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
         "segments and retries, as PyTorch's does, which is slower (docs/validation.md: fits or not on a full card)"
         + (" (measured on this GPU in the sweep's points)." if on_gpu else ".")
     )
-    rep.table(traced.card_rows(trace))
+    rep.table(traced.traced_card_rows(trace))
     cpu_results = inputs.results if hw.scale == "cpu" else {}
     rep.text(
         "The CPU scale, where the trace can be held against real tensors: the same step run for real with the "
@@ -335,7 +308,7 @@ def planner_section(
             else ""
         )
     )
-    rep.table(tables.card_rows(cards))
+    rep.table(tables.planner_card_rows(cards))
     rep.text(
         "The planner against every variant's training run: its prediction for the variant's micro-batch (per "
         "process) and the peak the run measured. A prediction under the measurement by more than the safety "

@@ -21,7 +21,7 @@ sns.set_theme(style="whitegrid", context="notebook")  # every figure alike
 
 def missing_note(results: Results) -> str:
     """The variants a figure cannot show, and why, for its caption."""
-    missing = {n: r.record for n, r in results.items() if not r.record.fit}
+    missing = {n: r.record for n, r in results.items() if not r.record.completed}
     return "".join(f" {n}: {m.why_not().split(':')[0]}." for n, m in missing.items())
 
 

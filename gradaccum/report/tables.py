@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from pydantic import ValidationError
 
+from gradaccum.outputs import MissingInput
 from gradaccum.params import Params, Roles
 from gradaccum.planner import predict_mib
-from gradaccum.records import MemoryPeaks, Plan, VariantRecord
+from gradaccum.records import MemoryPeaks, Plan, VariantRecord, invalid
 from gradaccum.tutorial import CLAIM_TOLERANCE, CLAIMS, kept_mistakes
 
 
@@ -26,6 +29,30 @@ class VariantResult:
 
 
 Results = dict[str, VariantResult]
+
+
+def load_variants(names: list[str], folder: Path) -> Results:
+    """Each variant's record, epochs and memory timeline from `folder/<variant>/`; variants not run are left out."""
+    results = {}
+    for name in names:
+        d = folder / name
+        if not (d / "metrics.json").exists():
+            continue
+        try:
+            results[name] = VariantResult(
+                record=VariantRecord.read(d / "metrics.json"),
+                epochs=pd.read_csv(d / "epochs.tsv", sep="\t"),
+                timeline=pd.read_csv(d / "memory.csv"),
+                steps=pd.read_csv(d / "steps.tsv", sep="\t"),
+            )
+        except (OSError, ValueError) as err:  # a missing curve, a damaged record (pydantic's error is a ValueError)
+            first = invalid(err) if isinstance(err, ValidationError) else str(err).splitlines()[0]
+            raise MissingInput(
+                f"{d}/ cannot be read ({type(err).__name__}: {first}): `dvc repro -f train@{name}` makes it again"
+            ) from None
+    if not results:
+        raise MissingInput(f"no variant has a metrics.json under {folder}/: `dvc repro train` makes them")
+    return results
 
 
 def peak_mib(m: VariantRecord, memory: MemoryPeaks | None = None) -> float | None:
@@ -160,7 +187,7 @@ class Findings:
 
 
 def findings(results: Results, roles: Roles, speed: dict[str, Any] | None = None, plan: Plan | None = None) -> Findings:
-    done = {name: r.record for name, r in results.items() if r.record.fit}  # the variants that trained to the end
+    done = {name: r.record for name, r in results.items() if r.record.completed}  # the variants that trained to the end
     return Findings(
         roles=roles,
         results=results,
@@ -267,7 +294,7 @@ def variants_table(results: Results) -> list[dict[str, Any]]:
             "images/s (not comparable: sequential runs)": fmt(m.images_per_second, 1),
             "optimizer steps": m.optimizer_steps,
             "skipped steps": m.skipped_steps,
-            "fit": "yes" if m.fit else "not run" if m.not_run else "did not fit",
+            "fit": "yes" if m.completed else "not run" if m.not_run else "did not fit",
             "why not": f"{failed.reason} (at {failed.memory_at_failure_mib} of {failed.device_total_mib} MiB)"
             if failed
             else m.not_run or "-",
@@ -592,7 +619,7 @@ def options_text(options: list[dict[str, Any]] | None) -> str:
     )
 
 
-def card_rows(cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def planner_card_rows(cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [
         {
             "card (GB)": c["card_gb"],
@@ -633,7 +660,7 @@ def planner_rows(results: Results, plan: Plan, trace: dict[str, Any] | None = No
     margin, rows = plan.this_machine.safety_margin, []
     for name, r in results.items():
         m = r.record
-        if not m.fit:
+        if not m.completed:
             rows.append({"variant": name, "verdict": m.why_not()})
             continue
         predicted, how = predict_mib(plan.lines[m.checkpointing], m.micro_batch), "sweep"

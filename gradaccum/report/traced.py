@@ -12,7 +12,7 @@ import pandas as pd
 
 from gradaccum.params import Roles
 from gradaccum.records import Plan
-from gradaccum.report.tables import COSTS, SAVES, Results, fmt, peak_mib, verdict
+from gradaccum.report.tables import COSTS, SAVES, Results, fmt, load_variants, peak_mib, verdict
 from gradaccum.tutorial import CLAIM_TOLERANCE, CLAIMS
 
 FIXED_KINDS = ("parameters_mib", "buffers_mib", "gradients_mib", "optimizer_mib", "data_mib")
@@ -60,7 +60,7 @@ def measured_ratios(trace: dict[str, Any], results: Results) -> Measured:
     """Per variant a GPU trained: each predicted figure's measurement and predicted / measured, worked out once."""
     out = {}
     for name, r in rows_at(trace, "study").items():
-        if name in results and (m := results[name].record).fit:
+        if name in results and (m := results[name].record).completed:
             out[name] = {
                 label: (measured, r[key] / measured)
                 for label, key, measured_key in PREDICTED
@@ -191,7 +191,7 @@ def cpu_rows(trace: dict[str, Any], results: Results, plan: Plan | None) -> list
             "verdict": "within 5%" if abs(off) <= 0.05 else f"trace {'over' if off > 0 else 'under'} by {abs(off):.1%}",
         }
         m = results[name].record if name in results else None
-        if plan and m is not None and m.fit:
+        if plan and m is not None and m.completed:
             fixed = plan.lines[m.checkpointing].fixed_mib
             grown = peak_mib(m) - fixed
             row["training RSS less the sweep's fixed part (MiB)"] = fmt(grown, 0)
@@ -217,9 +217,9 @@ def cpu_note(trace: dict[str, Any]) -> str:
     )
 
 
-def card_rows(trace: dict[str, Any]) -> list[dict[str, Any]]:
+def traced_card_rows(trace: dict[str, Any]) -> list[dict[str, Any]]:
     """Per GPU card: the fewest micro-batches a step of the study's batch needs, plain and with checkpointing,
-    each replayed on the card by the trace stage (gradaccum.fit.study_cards)."""
+    each replayed on the card by the trace stage (gradaccum.cards.study_cards)."""
     cards = trace["study_cards"]
     return [
         {"card (GB)": plain["card_gb"], "usable (MiB)": plain["usable_mib"]}
@@ -261,8 +261,8 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool, roles
         own = this_run.get(name, r)
         differs = (own.get("accum"), own.get("micro_batch")) != (r["accum"], r["micro_batch"])
         at = f" (at this run's {m.accum} x {m.micro_batch})" if m and differs else ""
-        gpu = m.memory.nvidia_smi_peak_mib if m and m.fit else None
-        measured = f"; on this GPU: {m.why_not()}" if m and not m.fit else ""
+        gpu = m.memory.nvidia_smi_peak_mib if m and m.completed else None
+        measured = f"; on this GPU: {m.why_not()}" if m and not m.completed else ""
         measured += f"; nvidia-smi on this GPU {gpu / 1024:.1f} GiB{at}" if gpu else ""
         if differs and "gpu_nvidia_smi_mib" in own:
             measured = (
@@ -320,8 +320,6 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m gradaccum.report.traced [REPORTS]`: each study-scale variant's predicted GPU figures beside what
     the GPU measured, with their ratios; scripts/gpu_check.sh prints it last, so the first GPU run validates the
     allocator's model or refutes it at a glance."""
-    from gradaccum.report import load_variants  # the package imports this module
-
     folder = Path((argv or sys.argv[1:] or ["reports"])[0])
     trace = json.loads((folder / "trace.json").read_text())
     hardware = folder / "hardware.json"
