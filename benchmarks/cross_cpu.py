@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gradaccum.records import Hardware, VariantRecord
 from gradaccum.report import cpu_kernels
-from gradaccum.report.tables import seed_mean, seed_values
+from gradaccum.report.results import seed_mean, seed_values
 
 
 def records(run: Path) -> dict[str, VariantRecord]:

@@ -141,7 +141,7 @@ MUTANTS = (
     ),
     Mutant(
         "speed ratios of the medians, not per round",
-        "gradaccum/report/tables.py",
+        "gradaccum/report/findings.py",
         "per_round = [m / r for m, r in zip(mine, ref, strict=True)]",
         "per_round = [statistics.median(mine) / statistics.median(ref)] * len(mine)",
         ("tests/test_speed.py::test_a_speed_ratio_pairs_each_round_with_the_references_same_round",),

@@ -18,7 +18,7 @@ from pathlib import Path
 import timm.layers
 
 from gradaccum import allocator, fit, outputs, params, study_trace, trace
-from gradaccum.report.traced import GOALS
+from gradaccum.report.rules import GOALS
 from gradaccum.tutorial import CLAIMS
 
 MESA = (

@@ -3,7 +3,7 @@
 The training stages run one after another, so their images/s carry the machine's drift (up to 1.9x on a
 shared 2-core machine). Here each round times `steps` optimizer steps of every variant, in an order that
 rotates from round to round, so drift hits every variant alike; a ratio is taken within each round and
-reported as the median with its range over rounds (gradaccum/report/tables.py). One process, world size 1.
+reported as the median with its range over rounds (gradaccum/report/findings.py). One process, world size 1.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 from gradaccum import params
 from gradaccum.outputs import atomic_path, write_json, write_text
 from gradaccum.refusal import refusing
-from gradaccum.report import Inputs, build, load_variants, tables
+from gradaccum.report import Inputs, build, findings, load_variants, variants
 from stages.paths import (
     GRADCHECK,
     PROVENANCE,
@@ -56,12 +56,13 @@ def main() -> None:
         snapshots=snapshots,
         histories=histories,
     )
-    found = tables.findings(results, p.roles, inputs.speed, inputs.plan)  # every number the report words
+    groups = p.model.group_norm_groups  # the sentences name the norm by it
+    found = findings.findings(results, p.roles, groups, inputs.speed, inputs.plan)  # every number the report words
     rep = build(inputs, found)
     for name, png in rep.figures.items():
         with atomic_path(FIGURES / name) as tmp:
             tmp.write_bytes(png)
-    write_json(SUMMARY, tables.summary_metrics(found, inputs.speed))
+    write_json(SUMMARY, variants.summary_metrics(found, inputs.speed))
     write_text(REPORT_MD, rep.markdown())
     write_text(REPORT_HTML, rep.html())
     print(f"report: {REPORT_HTML} and {REPORT_MD} ({len(rep.figures)} figures in {FIGURES})")

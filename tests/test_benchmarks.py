@@ -17,7 +17,7 @@ from benchmarks.run import tutorial_loop, write_idx
 from gradaccum import params
 from gradaccum.loop import Learner, normalize
 from gradaccum.records import VariantRecord
-from gradaccum.report.tables import seed_mean
+from gradaccum.report.results import seed_mean
 
 
 def test_torchvision_mnist_reads_the_written_idx_files(tmp_path: Path) -> None:

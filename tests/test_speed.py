@@ -9,7 +9,7 @@ import torch
 
 from gradaccum import params, speed
 from gradaccum.records import Cpu, Hardware, Plan
-from gradaccum.report.tables import SpeedRatio, speed_ratios
+from gradaccum.report.findings import SpeedRatio, speed_ratios
 from gradaccum.spec import resolve
 from gradaccum.speed import time_variants
 

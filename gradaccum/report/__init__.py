@@ -1,7 +1,8 @@
 """The study's report: what accumulation saved, what it cost, and whether it is still the same training.
 
-`build` assembles one `Report` (document.py) from the pipeline's records: tables and sentences
-(tables.py) and figures (figures.py), every number computed from what was measured. The `report`
+`build` assembles one `Report` (document.py) from the pipeline's records: the numbers and verdicts
+worked out once (findings.py, against the thresholds in rules.py), worded by subject (claims.py, throughput.py,
+levers.py, planning.py, variants.py, traced.py) and drawn (figures.py). The `report`
 stage reads the files and writes report.md, report.html and the figures.
 """
 
@@ -17,10 +18,9 @@ import yaml
 from gradaccum import planner
 from gradaccum.params import Params
 from gradaccum.records import Cpu, Hardware, Plan
-from gradaccum.report import figures, tables, traced
+from gradaccum.report import claims, figures, findings, levers, planning, rules, throughput, traced, variants
 from gradaccum.report.document import Report
-from gradaccum.report.tables import load_variants
-from gradaccum.tutorial import CLAIM_TOLERANCE
+from gradaccum.report.results import Results, load_variants
 
 __all__ = ["Inputs", "Report", "build", "load_variants"]
 OUTPUTS = ("data/", "reports/")  # where pipeline stages write
@@ -33,7 +33,7 @@ class Inputs:
     params: Params
     hardware: Hardware
     provenance: dict[str, Any]
-    results: tables.Results
+    results: Results
     plan: Plan | None = None  # the sweep's result
     grad: dict[str, Any] | None = None  # the gradient check's
     speed: dict[str, Any] | None = None  # the speed stage's interleaved rounds
@@ -54,8 +54,8 @@ def carries_over(plan: Plan | None) -> str:
     )
 
 
-def build(inputs: Inputs, found: tables.Findings) -> Report:
-    """The report of `inputs`, worded from `found` (tables.findings of the same inputs)."""
+def build(inputs: Inputs, found: findings.Findings) -> Report:
+    """The report of `inputs`, worded from `found` (findings.findings of the same inputs)."""
     hw, p = inputs.hardware, inputs.params
     rep = Report(title=f"Gradient accumulation study: {hw.scale} scale on {hw.device}")
     if hw.scale != "study":
@@ -67,14 +67,14 @@ def build(inputs: Inputs, found: tables.Findings) -> Report:
         )
     rep.heading("What this run found")
     predicted = traced.gpu_answers(inputs.trace, p.roles) if inputs.trace else {}
-    rep.table(tables.answers(found, inputs.grad, hw.device, predicted))
+    rep.table(claims.answers(found, inputs.grad, hw.device, predicted))
     rep.heading("The tutorial's claims against this run")
-    within = f"A claim holds where what was measured or predicted is within {CLAIM_TOLERANCE:.0%} of it"
+    within = f"A claim holds where what was measured or predicted is within {rules.CLAIM:.0%} of it"
     rep.text(within + ' (its figures are "about" figures from one run).')
     study_on_gpu = hw.scale == "study" and hw.device == "cuda"
     gpu_figures = traced.tutorial_claims(inputs.trace, inputs.results, study_on_gpu, p.roles) if inputs.trace else []
-    rep.table(gpu_figures + tables.claims_table(found, inputs.grad))
-    rep.text(tables.steps_note(p, hw.scale))
+    rep.table(gpu_figures + claims.claims_table(found, inputs.grad))
+    rep.text(claims.steps_note(p, hw.scale))
     seed_section(rep, inputs.results, p.seeds)
     lever_section(rep, found)
     if inputs.speed:
@@ -99,7 +99,7 @@ def build(inputs: Inputs, found: tables.Findings) -> Report:
         "Every variant's record. Their images/s come from training runs made one after another, which carry the "
         "machine's drift: no ratio is taken from them (the speed comparisons above are interleaved)."
     )
-    rep.table(tables.variants_table(inputs.results), explain_once=("cuDNN",))
+    rep.table(variants.variants_table(inputs.results), explain_once=("cuDNN",))
     what_ran(rep, p, hw, inputs.provenance)
     return rep
 
@@ -144,9 +144,9 @@ def what_ran(rep: Report, p: Params, hw: Hardware, prov: dict[str, Any]) -> None
     rep.details("The params that ran (params.yaml)", yaml.safe_dump(p.model_dump(), sort_keys=False))
 
 
-def seed_section(rep: Report, results: tables.Results, seeds: int) -> None:
+def seed_section(rep: Report, results: Results, seeds: int) -> None:
     """What another seed gives: the yardstick every loss and accuracy difference above is held against."""
-    rows = tables.seed_rows(results)
+    rows = variants.seed_rows(results)
     rep.heading("Seeds: what another seed gives")
     if seeds < 2 or not any(len(r.record.seeds) > 1 for r in results.values()):
         rep.text(
@@ -163,35 +163,37 @@ def seed_section(rep: Report, results: tables.Results, seeds: int) -> None:
     rep.table(rows)
 
 
-def lever_section(rep: Report, found: tables.Findings) -> None:
-    levers = tables.lever_table(found)
-    if not levers:
+def lever_section(rep: Report, found: findings.Findings) -> None:
+    rows = levers.lever_table(found)
+    if not rows:
         return
-    reference = found.roles.norm_control
+    reference, control = found.roles.norm_control, found.role("norm_control")
+    what = ", ".join(claims.facets(control, found.groups).values())
     rep.heading("The memory levers side by side")
     rep.text(
-        f"The same work as the {reference} control (GroupNorm, accum 1, same lr and batch), with one lever or "
+        f"The same work as the {reference} control ({what}, the same batch), with one lever or "
         "two. Checkpointing recomputes the blocks' activations in backward instead of keeping them; it is "
         "kept away from BatchNorm, whose running statistics it would update twice per forward "
         "(pytorch#96136). Throughput comes from the speed stage, which interleaves the variants."
     )
-    rep.table(levers)
+    rep.table(rows)
     if found.speed:
-        figures.levers(rep, levers, found.speed, reference)
+        figures.levers(rep, rows, found.speed, reference)
 
 
-def speed_section(rep: Report, found: tables.Findings, speed: dict[str, Any]) -> None:
+def speed_section(rep: Report, found: findings.Findings, speed: dict[str, Any]) -> None:
     rep.heading("Speed, measured fairly")
     rep.text(
         f"Every variant's training step timed in {speed['rounds']} rounds of {speed['steps']} optimizer step(s) at "
         f"effective batch {speed['batch']}, the variants interleaved in an order that rotates each round (after "
         "one warm-up round), so the machine's drift hits them alike; each ratio is taken within a round, then "
         "the median and the range over rounds are shown. One process. A variant is called faster or slower "
-        "only when every round agrees (a sign test: its p-value is shown, 0.06 for five rounds); otherwise the "
+        f"only when every round agrees (a sign test: its p-value is shown, {findings.sign_test_p(5):.2g} for five "
+        "rounds); otherwise the "
         "difference is within the rounds' spread, and more rounds (speed.rounds) or steps (speed.steps) would "
         "resolve a smaller one."
     )
-    rep.table(tables.speed_rows(found, speed))
+    rep.table(throughput.speed_rows(found, speed))
     figures.throughput(rep, speed)
 
 
@@ -203,7 +205,7 @@ def gradcheck_section(rep: Report, grad: dict[str, Any]) -> None:
         f"images, batch {grad['batch']}, each window's gradient against the full-batch gradient of its "
         f"samples, the larger of its {grad['windows']} windows; {grad['precision']}, on {grad['device']}."
     )
-    rep.table(tables.gradcheck_rows(grad))
+    rep.table(variants.gradcheck_rows(grad))
     figures.gradcheck(rep, grad)
 
 
@@ -242,8 +244,9 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
         + (
             " Beside each prediction, what this GPU measured."
             if on_gpu
-            else " No GPU ran here: the goals (allocated within 3% of torch.cuda.max_memory_allocated, reserved and "
-            "nvidia-smi within 10%) wait for `scripts/gpu_check.sh` on one."
+            else f" No GPU ran here: the goals (allocated within {rules.GOALS['allocated']:.0%} of "
+            f"torch.cuda.max_memory_allocated, reserved within {rules.GOALS['reserved']:.0%}, nvidia-smi within "
+            f"{rules.GOALS['nvidia-smi']:.0%}) wait for `scripts/gpu_check.sh` on one."
         )
     )
     measured = traced.measured_ratios(trace, inputs.results) if on_gpu else {}
@@ -285,11 +288,11 @@ def planner_section(
     rep: Report,
     plan: Plan,
     cards: list[dict[str, Any]],
-    results: tables.Results,
+    results: Results,
     trace: dict[str, Any] | None = None,
 ) -> None:
     machine, line = plan.this_machine, plan.line
-    fastest = tables.options_text(planner.this_machine_options(plan)[:1])
+    fastest = planning.options_text(planner.this_machine_options(plan)[:1])
     rep.heading("Which card fits: the memory planner")
     rep.text(
         f"The planner predicts from the sweep's peaks ({plan.measure}): between two measured micro-batches it "
@@ -308,17 +311,17 @@ def planner_section(
             else ""
         )
     )
-    rep.table(tables.planner_card_rows(cards))
+    rep.table(planning.planner_card_rows(cards))
     rep.text(
         "The planner against every variant's training run: its prediction for the variant's micro-batch (per "
         "process) and the peak the run measured. A prediction under the measurement by more than the safety "
         "margin is flagged: that is the direction that ends in an out-of-memory error."
     )
-    rep.table(tables.planner_rows(results, plan, trace))
+    rep.table(planning.planner_rows(findings.planner_checks(results, plan, trace)))
 
 
 def time_section(rep: Report, inputs: Inputs) -> None:
-    rows = tables.time_rows(inputs.results, inputs.plan, inputs.grad, inputs.speed, inputs.trace)
+    rows = variants.time_rows(inputs.results, inputs.plan, inputs.grad, inputs.speed, inputs.trace)
     if not rows:
         return
     rep.heading("Where this run's time went")

@@ -12,9 +12,10 @@ import seaborn as sns
 from gradaccum.params import Roles
 from gradaccum.planner import predict_mib
 from gradaccum.records import Plan
-from gradaccum.report import tables
+from gradaccum.report import claims
 from gradaccum.report.document import Report
-from gradaccum.report.tables import Results, SpeedRatio, memory_label, peak_split
+from gradaccum.report.findings import SpeedRatio
+from gradaccum.report.results import Results, memory_label, peak_split
 
 sns.set_theme(style="whitegrid", context="notebook")  # every figure alike
 
@@ -241,7 +242,7 @@ def gradcheck(rep: Report, grad: dict[str, Any]) -> None:
     rep.figure(
         "gradcheck.png",
         fig,
-        f"Accumulated against full-batch gradient {tables.gradcheck_scope(grad)} ({grad['precision']}): GroupNorm "
+        f"Accumulated against full-batch gradient {claims.gradcheck_scope(grad)} ({grad['precision']}): GroupNorm "
         "stays at float32 rounding, BatchNorm does not, and the tutorial's loss / accum is off where a "
         "micro-batch or the epoch's last window is short.",
     )

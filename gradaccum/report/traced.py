@@ -12,8 +12,11 @@ import pandas as pd
 
 from gradaccum.params import Roles
 from gradaccum.records import Plan
-from gradaccum.report.tables import COSTS, SAVES, Results, fmt, load_variants, peak_mib, verdict
-from gradaccum.tutorial import CLAIM_TOLERANCE, CLAIMS
+from gradaccum.report import rules
+from gradaccum.report.claims import COSTS, SAVES, verdict
+from gradaccum.report.findings import holds
+from gradaccum.report.results import Results, fmt, load_variants, peak_mib
+from gradaccum.tutorial import CLAIMS
 
 FIXED_KINDS = ("parameters_mib", "buffers_mib", "gradients_mib", "optimizer_mib", "data_mib")
 
@@ -36,7 +39,6 @@ PREDICTED = (  # the study scale's predicted GPU figures (gradaccum/allocator.py
     ("reserved", "gpu_reserved_mib", "torch_max_reserved_mib"),
     ("nvidia-smi", "gpu_nvidia_smi_mib", "nvidia_smi_peak_mib"),
 )
-GOALS = {"allocated": 0.03, "reserved": 0.10, "nvidia-smi": 0.10}  # how close a prediction must come to count
 
 
 def gpu_answers(trace: dict[str, Any], roles: Roles) -> dict[str, str]:
@@ -118,7 +120,7 @@ def validation_summary(validation: dict[str, Any]) -> str:
 def gpu_verdicts(measured: Measured) -> str:
     """Where a GPU ran: how many variants each prediction brought within its goal, and the worst ratio."""
     parts = []
-    for label, goal in GOALS.items():
+    for label, goal in rules.GOALS.items():
         ratios = [v[label][1] for v in measured.values() if label in v]
         if ratios:
             within = sum(abs(x - 1) <= goal for x in ratios)
@@ -137,7 +139,7 @@ def groupnorm_cost(trace: dict[str, Any], roles: Roles) -> str:
     micro, ratio = group["micro_batch"], group["activations_mib"] / batch["activations_mib"]
     more_kib = (group["activations_mib"] - batch["activations_mib"]) / micro * 1024
     traced = f"({group['peak_mib'] / 1024:.2f} against {batch['peak_mib'] / 1024:.2f} GiB traced)"
-    if ratio <= 1.02:
+    if ratio <= rules.SAME_ACTIVATIONS:
         return (
             f"GroupNorm and BatchNorm keep the same activations at {group['accum']} x {micro} ({ratio:.2f}x) "
             f"{traced}: the norm swap costs no memory here."
@@ -188,7 +190,9 @@ def cpu_rows(trace: dict[str, Any], results: Results, plan: Plan | None) -> list
             "weights, gradients, optimizer, data": fmt(fixed_mib(r), 0),
             "allocated, real tensors (MiB)": fmt(allocated, 0),
             "traced / allocated": fmt(r["peak_mib"] / allocated, 3),
-            "verdict": "within 5%" if abs(off) <= 0.05 else f"trace {'over' if off > 0 else 'under'} by {abs(off):.1%}",
+            "verdict": f"within {rules.CLOSE:.0%}"
+            if abs(off) <= rules.CLOSE
+            else f"trace {'over' if off > 0 else 'under'} by {abs(off):.1%}",
         }
         m = results[name].record if name in results else None
         if plan and m is not None and m.completed:
@@ -201,17 +205,19 @@ def cpu_rows(trace: dict[str, Any], results: Results, plan: Plan | None) -> list
 
 
 def cpu_note(trace: dict[str, Any]) -> str:
-    """What the CPU validation found off by more than 5%, per sample (it grows with the micro-batch)."""
+    """What the CPU validation found off by more than rules.CLOSE, per sample (it grows with the micro-batch)."""
     off = [
         f"{r['variant']} ({r['peak_mib'] / r['allocated_peak_mib'] - 1:+.1%}: the real step allocated "
         f"{(r['allocated_peak_mib'] - r['peak_mib']) / r['micro_batch']:.3f} MiB per sample more)"
         for r in rows_at(trace, "cpu").values()
-        if "peak_mib" in r and abs(r["peak_mib"] / r["allocated_peak_mib"] - 1) > 0.05
+        if "peak_mib" in r and abs(r["peak_mib"] / r["allocated_peak_mib"] - 1) > rules.CLOSE
     ]
     if not off:
-        return "The trace is within 5% of the real allocations for every variant."
+        return f"The trace is within {rules.CLOSE:.0%} of the real allocations for every variant."
     return (
-        "Off by more than 5%: " + "; ".join(off) + ". Where that is a checkpointing variant, the real step "
+        f"Off by more than {rules.CLOSE:.0%}: "
+        + "; ".join(off)
+        + ". Where that is a checkpointing variant, the real step "
         "holds more per sample than the trace sees in backward's recompute, a gap MemTracker documents for "
         "activation checkpointing; the same variant's GPU trace above is likely short by the same share."
     )
@@ -247,9 +253,14 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool, roles
     this_run = rows_at(trace, "study")
     study = this_run | {r["variant"]: r for r in trace["tutorial_settings"]}
     out = []
+    base_gb, acc_gb = CLAIMS["baseline_gb"], CLAIMS["accumulation_gb"]
     claims = (
-        (roles.baseline, "about 30 GB at batch 32768 (BatchNorm), in nvidia-smi", CLAIMS["baseline_gb"]),
-        (roles.tutorial_code, "about 13.7 GB with 8192 x 4 (GroupNorm), in nvidia-smi", CLAIMS["accumulation_gb"]),
+        (roles.baseline, f"about {base_gb:g} GB at batch {CLAIMS['batch']} (BatchNorm), in nvidia-smi", base_gb),
+        (
+            roles.tutorial_code,
+            f"about {acc_gb:g} GB with {CLAIMS['micro']} x {CLAIMS['accum']} (GroupNorm), in nvidia-smi",
+            acc_gb,
+        ),
     )
     for name, text, gb in claims:
         r = study.get(name, {})
@@ -305,7 +316,7 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool, roles
                 f"the tensors alone {tensors:.2f}",
                 "measured / claimed": fmt(ratio / claimed, 2),
                 "verdict": "about what the tutorial saw"
-                if abs(ratio / claimed - 1) <= CLAIM_TOLERANCE
+                if holds(ratio / claimed)
                 else (
                     "accumulation shrinks memory more than the tutorial saw"
                     if ratio < claimed
