@@ -673,12 +673,15 @@ def test_groupnorms_cost_on_a_gpu_is_a_finding_with_its_lever() -> None:
         row | {"variant": "accum_batchnorm", "activations_mib": 6399.0, "peak_mib": 6513.0},
     ]
     fast = row | {"variant": "accumulation", "peak_mib": 6513.0, "gpu_nvidia_smi_mib": 7680.0, "fast_norm": True}
+    cost = traced.norm_cost({"rows": rows}, ROLES)
+    assert cost.ratio == pytest.approx(10696 / 6399) and cost.costs  # over rules.SAME_ACTIVATIONS
+    assert cost.more_kib_per_sample == pytest.approx((10696 - 6399) / 8192 * 1024)
     text = traced.groupnorm_cost({"rows": rows, "fast_norm": [fast]}, ROLES)
     assert text.startswith("**GroupNorm is not free on a GPU.**") and "1.67x BatchNorm's activations" in text
-    assert f"{(10696 - 6399) / 8192 * 1024:.0f} KiB more per sample" in text
     assert "`accumulation` with it traces to 6.36 GiB (10.56 without, nvidia-smi 7.50 predicted)" in text
     assert "has not measured what it does to the loss" in text
-    assert traced.groupnorm_cost({"rows": rows[:1]}, ROLES) == ""  # no BatchNorm twin: no finding
+    assert traced.norm_cost({"rows": rows[:1]}, ROLES) is None  # no BatchNorm twin: no finding
+    assert traced.groupnorm_cost({"rows": rows[:1]}, ROLES) == ""
 
 
 def claim_row(variant: str, accum: int, tensors_gib: float) -> dict[str, Any]:
@@ -744,7 +747,11 @@ def test_a_gpu_measurement_is_held_to_the_claim_only_at_the_tutorials_step(
     tutorial = [claim_row("baseline", 1, 25.0), claim_row("tutorial_accumulation", 4, 7.0)]
     ran = {"tutorial_accumulation": results.VariantResult(record=gpu_record(accum, 13.0 * 1024), epochs=None,
                                                          timeline=None)}  # fmt: skip
-    rows = traced.tutorial_claims({"rows": this_run, "tutorial_settings": tutorial}, ran, True, ROLES)
+    trace = {"rows": this_run, "tutorial_settings": tutorial}
+    figure = next(c for c in traced.claimed_figures(trace, ran, True, ROLES) if c.variant == "tutorial_accumulation")
+    assert figure.differs != held_to_the_measurement and figure.gpu_gib == 13.0
+    assert figure.held == (pytest.approx(13.0 / 13.7) if held_to_the_measurement else None)
+    rows = traced.tutorial_claims(trace, ran, True, ROLES)
     row = next(r for r in rows if r["tutorial's claim"].startswith("about 13.7 GB"))
     assert "nvidia-smi on this GPU 13.0 GiB" in row["measured"]
     if held_to_the_measurement:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from gradaccum.params import Roles
-from gradaccum.records import Plan
+from gradaccum.records import Plan, VariantRecord
 from gradaccum.report import rules
 from gradaccum.report.claims import COSTS, SAVES, verdict
 from gradaccum.report.findings import holds
@@ -129,27 +130,57 @@ def gpu_verdicts(measured: Measured) -> str:
     return "; ".join(parts) + "." if parts else "No variant measured on a GPU to hold the predictions against."
 
 
-def groupnorm_cost(trace: dict[str, Any], roles: Roles) -> str:
-    """The finding: what GroupNorm costs over BatchNorm on a GPU, per sample at the same micro-batch (the
-    accumulation variant against its BatchNorm control, both traced under CUDA's autocast rules)."""
+@dataclass(frozen=True)
+class NormCost:
+    """GroupNorm's activations against BatchNorm's at the same micro-batch, both traced under CUDA's autocast rules
+    (the treatment against its BatchNorm control)."""
+
+    accum: int
+    micro_batch: int
+    group: dict[str, Any]  # the two trace rows
+    batch: dict[str, Any]
+
+    @property
+    def ratio(self) -> float:
+        return self.group["activations_mib"] / self.batch["activations_mib"]
+
+    @property
+    def more_kib_per_sample(self) -> float:
+        return (self.group["activations_mib"] - self.batch["activations_mib"]) / self.micro_batch * 1024
+
+    @property
+    def costs(self) -> bool:
+        """Whether the swap costs memory: more than rules.SAME_ACTIVATIONS times BatchNorm's activations."""
+        return self.ratio > rules.SAME_ACTIVATIONS
+
+
+def norm_cost(trace: dict[str, Any], roles: Roles) -> NormCost | None:
+    """The treatment's traced step against its BatchNorm control's, where both traced at one micro-batch."""
     study = rows_at(trace, "study")
     group, batch = study.get(roles.treatment, {}), study.get(roles.accum_control, {})
     if "peak_mib" not in group or "peak_mib" not in batch or group["micro_batch"] != batch["micro_batch"]:
+        return None
+    return NormCost(group["accum"], group["micro_batch"], group, batch)
+
+
+def groupnorm_cost(trace: dict[str, Any], roles: Roles) -> str:
+    """The finding: what GroupNorm costs over BatchNorm on a GPU, per sample at the same micro-batch."""
+    cost = norm_cost(trace, roles)
+    if cost is None:
         return ""
-    micro, ratio = group["micro_batch"], group["activations_mib"] / batch["activations_mib"]
-    more_kib = (group["activations_mib"] - batch["activations_mib"]) / micro * 1024
-    traced = f"({group['peak_mib'] / 1024:.2f} against {batch['peak_mib'] / 1024:.2f} GiB traced)"
-    if ratio <= rules.SAME_ACTIVATIONS:
+    at = f"{cost.accum} x {cost.micro_batch}"
+    traced = f"({cost.group['peak_mib'] / 1024:.2f} against {cost.batch['peak_mib'] / 1024:.2f} GiB traced)"
+    if not cost.costs:
         return (
-            f"GroupNorm and BatchNorm keep the same activations at {group['accum']} x {micro} ({ratio:.2f}x) "
+            f"GroupNorm and BatchNorm keep the same activations at {at} ({cost.ratio:.2f}x) "
             f"{traced}: the norm swap costs no memory here."
         )
     return (
         f"**GroupNorm is not free on a GPU.** Under CUDA's autocast `group_norm` runs in float32 and `batch_norm` "
-        f"in float16, so at the same micro-batch ({group['accum']} x {micro}) the GroupNorm model keeps "
-        f"{ratio:.2f}x BatchNorm's activations, {more_kib:.0f} KiB more per sample {traced}. The tutorial swapped "
-        "the norm so that accumulation would be exact; on a GPU that swap takes back part of what the micro-batch "
-        "saved." + fast_norm_text(trace, group)
+        f"in float16, so at the same micro-batch ({at}) the GroupNorm model keeps "
+        f"{cost.ratio:.2f}x BatchNorm's activations, {cost.more_kib_per_sample:.0f} KiB more per sample {traced}. The "
+        "tutorial swapped the norm so that accumulation would be exact; on a GPU that swap takes back part of what the "
+        "micro-batch saved." + fast_norm_text(trace, cost.group)
     )
 
 
@@ -241,18 +272,47 @@ def accum_text(card: dict[str, Any]) -> str:
     return text + (", cache freed" if card["cache_frees"] else "")
 
 
-def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool, roles: Roles) -> list[dict[str, str]]:
-    """The tutorial's nvidia-smi figures against the predicted nvidia-smi figure of the same step, and what share
-    of each the traced tensors, the caching allocator's cache and the CUDA context explain, and what is left.
+@dataclass(frozen=True)
+class ClaimedFigure:
+    """One of the tutorial's nvidia-smi figures against the predicted figure of the step it measured (traced at its
+    settings), with this run's own step where its settings differ and, where a GPU ran the study, its record."""
 
-    The 13.7 GB was the tutorial's own code (plain GroupNorm swap), so the tutorial_code role answers it; the
-    claimed GB are read as GiB, as nvidia-smi's MiB divided by 1024. Each claim is held against the step at the
-    tutorial's settings (4 x 8192 of 32768, traced whatever params.yaml says); where this run's differ, the row
-    says so and shows this run's too. Where a GPU ran the study, its measurement stands beside the prediction,
-    and is held to the claim itself where it ran the tutorial's step."""
+    variant: str
+    text: str
+    claimed_gib: float  # the claimed GB read as GiB, as nvidia-smi's MiB divided by 1024
+    row: dict[str, Any]  # traced at the tutorial's settings
+    own: dict[str, Any]  # traced at this run's
+    record: VariantRecord | None
+
+    def gib(self, key: str) -> float:
+        return self.row[key] / 1024
+
+    @property
+    def differs(self) -> bool:
+        return (self.own.get("accum"), self.own.get("micro_batch")) != (self.row["accum"], self.row["micro_batch"])
+
+    @property
+    def gpu_gib(self) -> float | None:
+        """What this run's GPU measured, where it trained to the end."""
+        m = self.record
+        return m.memory.nvidia_smi_peak_mib / 1024 if m and m.completed and m.memory.nvidia_smi_peak_mib else None
+
+    @property
+    def held(self) -> float | None:
+        """The GPU's measurement over the claim, where it ran the tutorial's own step."""
+        return self.gpu_gib / self.claimed_gib if self.gpu_gib and not self.differs else None
+
+    @property
+    def unexplained_gib(self) -> float:
+        """The claim less the predicted nvidia-smi figure (negative: the prediction is over it)."""
+        return self.claimed_gib - self.gib("gpu_nvidia_smi_mib")
+
+
+def claimed_figures(trace: dict[str, Any], results: Results, on_gpu: bool, roles: Roles) -> list[ClaimedFigure]:
+    """The baseline's 30 GB and the tutorial's own code's 13.7 GB, each against its step traced at the tutorial's
+    settings (4 x 8192 of 32768, whatever params.yaml says)."""
     this_run = rows_at(trace, "study")
     study = this_run | {r["variant"]: r for r in trace["tutorial_settings"]}
-    out = []
     base_gb, acc_gb = CLAIMS["baseline_gb"], CLAIMS["accumulation_gb"]
     claims = (
         (roles.baseline, f"about {base_gb:g} GB at batch {CLAIMS['batch']} (BatchNorm), in nvidia-smi", base_gb),
@@ -262,47 +322,60 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool, roles
             acc_gb,
         ),
     )
+    out = []
     for name, text, gb in claims:
         r = study.get(name, {})
-        if "gpu_nvidia_smi_mib" not in r:
-            continue
-        tensors, reserved, smi = (r[k] / 1024 for k in ("peak_mib", "gpu_reserved_mib", "gpu_nvidia_smi_mib"))
-        context = r["gpu_context_mib"] / 1024
-        m = results[name].record if on_gpu and name in results else None
-        own = this_run.get(name, r)
-        differs = (own.get("accum"), own.get("micro_batch")) != (r["accum"], r["micro_batch"])
-        at = f" (at this run's {m.accum} x {m.micro_batch})" if m and differs else ""
-        gpu = m.memory.nvidia_smi_peak_mib if m and m.completed else None
-        measured = f"; on this GPU: {m.why_not()}" if m and not m.completed else ""
-        measured += f"; nvidia-smi on this GPU {gpu / 1024:.1f} GiB{at}" if gpu else ""
-        if differs and "gpu_nvidia_smi_mib" in own:
-            measured = (
-                f"; this run's settings differ ({own['accum']} x {own['micro_batch']}): tensors "
-                f"{own['peak_mib'] / 1024:.1f} GiB, nvidia-smi {own['gpu_nvidia_smi_mib'] / 1024:.1f} predicted"
-                + measured
-            )
-        held = gpu / 1024 / gb if gpu and not differs else None  # a GPU's measurement of the tutorial's own step
-        left = gb - smi
-        out.append(
-            {
-                "tutorial's claim": text,
-                "measured": f"`{name}` predicted at the tutorial's settings: tensors {tensors:.1f} GiB ({r['amp']}, "
-                f"{r['accum']} x {r['micro_batch']}, CUDA's autocast rules), reserved {reserved:.1f}, nvidia-smi "
-                f"{smi:.1f}" + measured,
-                "measured / claimed": fmt(held or smi / gb, 2),
-                "verdict": (f"measured on this GPU: {verdict(held)}; " if held else "")
-                + f"of the claim, the tensors explain {tensors / gb:.0%}, the caching allocator's reserve "
-                f"(rounding, cache, cuBLAS workspaces) {(reserved - tensors) / gb:.0%}, the CUDA context (assumed) "
-                f"{context / gb:.0%}; "
-                + (
-                    f"{left / gb:.0%} ({left:.1f} GiB) is still unexplained"
-                    if left > 0
-                    else f"the prediction is {-left:.1f} GiB over it"
-                ),
-            }
+        if "gpu_nvidia_smi_mib" in r:
+            m = results[name].record if on_gpu and name in results else None
+            out.append(ClaimedFigure(name, text, gb, r, this_run.get(name, r), m))
+    return out
+
+
+def figure_row(c: ClaimedFigure) -> dict[str, str]:
+    """A claimed figure as the claims table words it: the prediction, this run's, and what explains the claim."""
+    m, r = c.record, c.row
+    tensors, reserved, smi, context = (c.gib(k) for k in KEYS_GIB)
+    at = f" (at this run's {m.accum} x {m.micro_batch})" if m and c.differs else ""
+    measured = f"; on this GPU: {m.why_not()}" if m and not m.completed else ""
+    measured += f"; nvidia-smi on this GPU {c.gpu_gib:.1f} GiB{at}" if c.gpu_gib else ""
+    if c.differs and "gpu_nvidia_smi_mib" in c.own:
+        measured = (
+            f"; this run's settings differ ({c.own['accum']} x {c.own['micro_batch']}): tensors "
+            f"{c.own['peak_mib'] / 1024:.1f} GiB, nvidia-smi {c.own['gpu_nvidia_smi_mib'] / 1024:.1f} predicted"
+            + measured
         )
-    base, acc = study.get(roles.baseline, {}), study.get(roles.tutorial_code, {})
-    if "gpu_nvidia_smi_mib" in base and "gpu_nvidia_smi_mib" in acc:
+    gb, left = c.claimed_gib, c.unexplained_gib
+    return {
+        "tutorial's claim": c.text,
+        "measured": f"`{c.variant}` predicted at the tutorial's settings: tensors {tensors:.1f} GiB ({r['amp']}, "
+        f"{r['accum']} x {r['micro_batch']}, CUDA's autocast rules), reserved {reserved:.1f}, nvidia-smi "
+        f"{smi:.1f}" + measured,
+        "measured / claimed": fmt(c.held or smi / gb, 2),
+        "verdict": (f"measured on this GPU: {verdict(c.held)}; " if c.held else "")
+        + f"of the claim, the tensors explain {tensors / gb:.0%}, the caching allocator's reserve "
+        f"(rounding, cache, cuBLAS workspaces) {(reserved - tensors) / gb:.0%}, the CUDA context (assumed) "
+        f"{context / gb:.0%}; "
+        + (
+            f"{left / gb:.0%} ({left:.1f} GiB) is still unexplained"
+            if left > 0
+            else f"the prediction is {-left:.1f} GiB over it"
+        ),
+    }
+
+
+KEYS_GIB = ("peak_mib", "gpu_reserved_mib", "gpu_nvidia_smi_mib", "gpu_context_mib")  # tensors, reserved, smi, context
+
+
+def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool, roles: Roles) -> list[dict[str, str]]:
+    """The tutorial's nvidia-smi figures against the predicted nvidia-smi figure of the same step (`claimed_figures`),
+    what share of each the traced tensors, the caching allocator's cache and the CUDA context explain and what is
+    left; where a GPU ran the study, its measurement beside the prediction, held to the claim itself where it ran
+    the tutorial's step. Then the memory share the two figures make, predicted at the study's scale."""
+    figures = claimed_figures(trace, results, on_gpu, roles)
+    out = [figure_row(c) for c in figures]
+    rows = {c.variant: c.row for c in figures}
+    base, acc = rows.get(roles.baseline), rows.get(roles.tutorial_code)
+    if base and acc:
         claimed = CLAIMS["accumulation_gb"] / CLAIMS["baseline_gb"]
         ratio = acc["gpu_nvidia_smi_mib"] / base["gpu_nvidia_smi_mib"]
         tensors = acc["peak_mib"] / base["peak_mib"]
