@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -21,19 +23,24 @@ def linear(inputs: int = 3 * 8 * 8) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(inputs, 10, bias=False))
 
 
-def test_a_dataloaders_batch_arrives_each_step_as_float32_of_the_inputs_shape() -> None:
-    """A linear model, float32, SGD: weights, gradients, the float32 batch (the layer saves it) and the logits."""
-    step = trace.TracedStep(
-        build=linear,
+def loader_step(build: Callable[[], nn.Module], dtype: torch.dtype | None, **changes: Any) -> trace.TracedStep:
+    """A step of 512 3x8x8 inputs as a DataLoader delivers them (float32, nothing resident), SGD, accum 1."""
+    return trace.TracedStep(
+        build=build,
         micro=512,
         accum=1,
         num_classes=10,
-        dtype=None,
-        resident=0,
+        dtype=dtype,
         input=(3, 8, 8),
         arrives="float32",
         optimizer="sgd",
+        **changes,
     )
+
+
+def test_a_dataloaders_batch_arrives_each_step_as_float32_of_the_inputs_shape() -> None:
+    """A linear model, float32, SGD: weights, gradients, the float32 batch (the layer saves it) and the logits."""
+    step = loader_step(linear, None)
     r = trace.trace_step(step)
     weights = 3 * 8 * 8 * 10 * 4 / MIB
     batch = 512 * 3 * 8 * 8 * 4 / MIB
@@ -168,17 +175,7 @@ def test_torch_1_7s_float32_gelu_keeps_the_mlps_hidden_layer_in_four_bytes() -> 
     def mlp() -> nn.Module:
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 256), nn.GELU(), nn.Linear(256, 10))
 
-    step = trace.TracedStep(
-        build=mlp,
-        micro=512,
-        accum=1,
-        num_classes=10,
-        dtype=torch.float16,
-        resident=0,
-        input=(3, 8, 8),
-        arrives="float32",
-        optimizer="sgd",
-    )
+    step = loader_step(mlp, torch.float16)
     now, then = (trace.trace_step(replace(step, torch_version=v), autocast_policy.CUDA) for v in ("2.14.1", "1.7.1"))
     assert then["peak_mib"] - now["peak_mib"] >= 512 * 256 * 2 / MIB
     assert "as of torch 1.7.1" in then["autocast_policy"] and "gelu in float32" in then["autocast_policy"]
@@ -187,18 +184,7 @@ def test_torch_1_7s_float32_gelu_keeps_the_mlps_hidden_layer_in_four_bytes() -> 
 def test_before_torch_2_zero_grad_kept_the_gradients_through_the_next_step() -> None:
     """A linear model, float32, SGD, accum 1: torch 1.13's zero_grad() zeroes the gradient and keeps it, so the whole
     gradient is live at the peak; torch 2.0's frees it, and the peak sees none until backward makes it."""
-    step = trace.TracedStep(
-        build=linear,
-        micro=512,
-        accum=1,
-        num_classes=10,
-        dtype=None,
-        resident=0,
-        input=(3, 8, 8),
-        arrives="float32",
-        optimizer="sgd",
-        torch_version="1.13.1",
-    )
+    step = loader_step(linear, None, torch_version="1.13.1")
     weights = 3 * 8 * 8 * 10 * 4 / MIB
     assert not step.set_to_none and trace.trace_step(step)["gradients_mib"] == pytest.approx(weights)
     later = replace(step, torch_version="2.0.0")
@@ -208,17 +194,7 @@ def test_before_torch_2_zero_grad_kept_the_gradients_through_the_next_step() -> 
 def test_a_batch_cast_on_its_way_to_the_gpu_keeps_no_float32_copy() -> None:
     """`.to(device, float16)` under float16 autocast: the first layer saves the batch itself, where a float32 batch
     stays live beside the float16 copy autocast makes for the layer: the float32 batch's bytes fewer."""
-    step = trace.TracedStep(
-        build=linear,
-        micro=512,
-        accum=1,
-        num_classes=10,
-        dtype=torch.float16,
-        resident=0,
-        input=(3, 8, 8),
-        arrives="float32",
-        optimizer="sgd",
-    )
+    step = loader_step(linear, torch.float16)
     full, half = (trace.trace_step(replace(step, arrives=d), autocast_policy.CUDA) for d in ("float32", "float16"))
     assert full["activations_mib"] - half["activations_mib"] == pytest.approx(512 * 3 * 8 * 8 * 4 / MIB)
 
