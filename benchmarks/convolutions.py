@@ -40,7 +40,7 @@ def compare(
 ) -> str:
     arms = {}
     for arm in ARMS:
-        model = build_model(**p.model.model_dump(), norm="group", seed=p.seed, matmul_depthwise=arm == ARMS[1])
+        model = build_model(p.model, "group", p.seed, matmul_depthwise=arm == ARMS[1])
         model = model.to(memory_format=torch.channels_last) if arm == "channels_last" else model
         arms[arm] = Learner(model, make_optimizer(model, 3e-4), make_scaler(torch.device("cpu"), dtype), dtype)
     batches = schedule(IMAGES, micro, accum)

@@ -30,9 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     p = params.load()
     rank, world, device = distributed.setup("cpu")
-    model = distributed.wrap(
-        build_model(**p.model.model_dump(), norm="group", seed=p.seed), device, sync_batchnorm=False
-    )
+    model = distributed.wrap(build_model(p.model, "group", p.seed), device, sync_batchnorm=False)
     calls: list[int] = []
 
     def counting_allreduce(state, bucket):  # no annotations: DDP checks them

@@ -36,7 +36,7 @@ def main() -> None:
     print(f"ln {p.model.num_classes} = {math.log(p.model.num_classes):.3f}; {args.images} images, training mode")
     for norm in ("batch", "group"):
         for init in ("timm", "pytorch", "zero"):
-            model = build_model(**p.model.model_dump(), norm=norm, seed=p.seed)
+            model = build_model(p.model, norm, p.seed)
             head = model.get_classifier()
             if init == "pytorch":
                 torch.manual_seed(p.seed)

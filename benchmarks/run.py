@@ -103,7 +103,7 @@ def setup(p: Params, device: torch.device, norm: str = "group", matmul_depthwise
     if matmul_depthwise:
         model = spec_model(spec, device=device)  # as the stages build it
     else:  # timm's model as the tutorial built it, whatever the device
-        model = build_model(**p.model.model_dump(), norm=norm, seed=spec.seed, device=device, matmul_depthwise=False)
+        model = build_model(p.model, norm, spec.seed, device=device, matmul_depthwise=False)
     return Learner.of(model, spec, device)
 
 

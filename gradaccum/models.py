@@ -50,12 +50,10 @@ def batchnorm_to_groupnorm(module: nn.Module, num_groups: int, keep_act: bool = 
 
 
 def build_model(
-    name: str,
-    in_chans: int,
-    num_classes: int,
+    model: Model,
     norm: str,
-    group_norm_groups: int,
     seed: int,
+    *,
     swap: str = "keep_act",
     checkpointing: bool = False,
     device: torch.device | str = "cpu",
@@ -71,24 +69,24 @@ def build_model(
     is false; on a GPU exactly timm's model, as the tutorial ran it.
     """
     torch.manual_seed(seed)
-    model = timm.create_model(name, pretrained=False, in_chans=in_chans, num_classes=num_classes)
+    net = timm.create_model(model.name, pretrained=False, in_chans=model.in_chans, num_classes=model.num_classes)
     if norm == "group":
-        batchnorm_to_groupnorm(model, group_norm_groups, keep_act=swap == "keep_act")
+        batchnorm_to_groupnorm(net, model.group_norm_groups, keep_act=swap == "keep_act")
     if checkpointing:
         set_reentrant_ckpt(False)  # timm's default too; said here, since reentrant checkpointing differs
-        model.set_grad_checkpointing(True)
+        net.set_grad_checkpointing(True)
     if matmul_depthwise and torch.device(device).type == "cpu":
-        use_matmul_depthwise(model)
-    return model if torch.device(device).type == "cpu" else model.to(device)  # built there; a fake one can't move
+        use_matmul_depthwise(net)
+    return net if torch.device(device).type == "cpu" else net.to(device)  # built there; a fake one can't move
 
 
 def spec_model(spec: RunSpec, seed: int | None = None, device: torch.device | str = "cpu") -> nn.Module:
     """The spec's model as its device trains it (on a CPU with matrix-product depthwise convolutions), initialised
     from `seed`, the spec's own unless another seed's run asks; built on `device`, which a trace makes fake."""
     return build_model(
-        **spec.model.model_dump(),
-        norm=spec.norm,
-        seed=spec.seed if seed is None else seed,
+        spec.model,
+        spec.norm,
+        spec.seed if seed is None else seed,
         swap=spec.swap,
         checkpointing=spec.checkpointing,
         device=device,
@@ -105,9 +103,7 @@ def check_input(model: Model) -> None:
     device, where tensors have shapes and no storage (0.1 s for efficientnet_b0, no memory, whatever its size)."""
     try:
         with torch.device("meta"), torch.no_grad():
-            net = build_model(
-                model.name, model.in_chans, model.num_classes, "batch", model.group_norm_groups, seed=0, device="meta"
-            )
+            net = build_model(model, "batch", seed=0, device="meta")
             net.eval()(torch.empty(1, model.in_chans, IMAGE_SIZE, IMAGE_SIZE))
     except Exception as err:  # timm's models fail in many ways on a too-small or wrong input
         raise ModelInputError(

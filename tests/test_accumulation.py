@@ -21,8 +21,9 @@ from gradaccum.accumulation import (
 )
 from gradaccum.gradcheck import full_gradient, loop_gradients, window_differences
 from gradaccum.models import build_model
+from gradaccum.params import Model
 
-ARGS = {"name": "efficientnet_b0", "in_chans": 1, "num_classes": 10, "seed": 99, "group_norm_groups": 1}
+MODEL = Model(name="efficientnet_b0", in_chans=1, num_classes=10, group_norm_groups=1)
 N, BATCH = 44, 24  # an epoch of two windows: 24 samples, then a short one of 20
 
 
@@ -36,7 +37,7 @@ def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def gn_model() -> nn.Module:
-    return build_model(**ARGS, norm="group")
+    return build_model(MODEL, "group", 99)
 
 
 @pytest.mark.parametrize("accum", [1, 2, 3, 4, 7])
@@ -63,7 +64,7 @@ def test_the_loop_follows_the_shuffle(gn_model: nn.Module, digits) -> None:
 
 def test_batchnorm_differs(digits) -> None:
     images, labels, perm = digits
-    bn = build_model(**ARGS, norm="batch")
+    bn = build_model(MODEL, "batch", 99)
     assert min(window_differences(bn, images, labels, perm, 6, 4)) > 1e-2
 
 

@@ -13,15 +13,15 @@ from torch import nn
 from gradaccum.accumulation import relative_difference
 from gradaccum.depthwise import DepthwiseAsMatmul, SmallMapDepthwiseConv2d, tap_index, use_matmul_depthwise
 from gradaccum.models import batchnorm_to_groupnorm, build_model, count_parameters
+from gradaccum.params import Model
 
-ARGS = {"name": "efficientnet_b0", "in_chans": 1, "num_classes": 10, "seed": 99}
+MODEL = Model(name="efficientnet_b0", in_chans=1, num_classes=10, group_norm_groups=1)
+SEED = 99
 
 
 @pytest.fixture(scope="module")
 def models() -> tuple[nn.Module, nn.Module]:
-    return build_model(**ARGS, norm="batch", group_norm_groups=1), build_model(
-        **ARGS, norm="group", group_norm_groups=1
-    )
+    return build_model(MODEL, "batch", SEED), build_model(MODEL, "group", SEED)
 
 
 def test_no_batchnorm_left(models: tuple[nn.Module, nn.Module]) -> None:
@@ -84,7 +84,7 @@ def test_gradient_of_a_sample_depends_on_its_batch_only_with_batchnorm(
 
 def test_the_tutorials_plain_swap_drops_the_fused_activations(models: tuple[nn.Module, nn.Module]) -> None:
     _, kept = models
-    plain = build_model(**ARGS, norm="group", group_norm_groups=1, swap="plain")
+    plain = build_model(MODEL, "group", SEED, swap="plain")
 
     def count(model: nn.Module, kinds: tuple[type, ...]) -> int:
         return sum(isinstance(m, kinds) for m in model.modules())
@@ -104,8 +104,8 @@ def test_the_tutorials_plain_swap_drops_the_fused_activations(models: tuple[nn.M
 
 def test_checkpointed_gradient_equals_the_plain_gradient() -> None:
     """Activation checkpointing recomputes, it does not approximate: same gradient (GroupNorm, float32)."""
-    plain = build_model(**ARGS, norm="group", group_norm_groups=1).train()
-    ckpt = build_model(**ARGS, norm="group", group_norm_groups=1, checkpointing=True).train()
+    plain = build_model(MODEL, "group", SEED).train()
+    ckpt = build_model(MODEL, "group", SEED, checkpointing=True).train()
     assert ckpt.grad_checkpointing and not plain.grad_checkpointing
     x, y = torch.randn(6, 1, 28, 28, generator=torch.Generator().manual_seed(1)), torch.arange(6) % 10
     grads = []
@@ -242,9 +242,9 @@ def test_the_model_uses_the_matrices_on_the_cpu_only_and_trains_the_same() -> No
     answer, not to the other's bits. Float32 itself is only so close on this network: its loss to 1e-6 and its
     gradient to 2.5-4.7e-6 of the float64 one (measured with ATen and oneDNN at AVX-512, AVX2 and default), so
     the loss is held to 1e-5 and the matrices' gradient to twice the plain kernels' own error (1.2x at most)."""
-    cpu = build_model(**ARGS, norm="group", group_norm_groups=1)
+    cpu = build_model(MODEL, "group", SEED)
     assert sum(type(m) is SmallMapDepthwiseConv2d for m in cpu.modules()) == 16  # every block's depthwise conv
-    meta = build_model(**ARGS, norm="group", group_norm_groups=1, device="meta")  # a GPU's model: timm's own
+    meta = build_model(MODEL, "group", SEED, device="meta")  # a GPU's model: timm's own
     assert not any(type(m) is SmallMapDepthwiseConv2d for m in meta.modules())
     plain = copy.deepcopy(cpu)
     for m in plain.modules():
