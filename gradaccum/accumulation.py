@@ -37,7 +37,7 @@ def micro_batch_size(batch: int, accum: int) -> int:
 def accum_for(batch: int, micro: int) -> int:
     """The fewest micro-batches of at most `micro` samples that make up `batch`: ceil(batch / micro), whose own
     micro-batch, ceil(batch / accum), is then never above `micro`. The inverse of `micro_batch_size`."""
-    if not 1 <= micro:
+    if micro < 1:
         raise ValueError(f"the micro-batch must be at least 1, got {micro}")
     return math.ceil(batch / min(micro, batch))
 

@@ -104,8 +104,8 @@ class WindowLosses:
         self.sum, self.samples = torch.zeros((), device=self.device), 0
 
     def means(self, steps: int) -> tuple[float, list[float]]:
-        """The epoch's mean loss, and each of its `steps` windows' (what an epoch ending inside a window saw, in the
-        tutorial's loop, counts in the first only)."""
+        """The epoch's mean loss, and each of its `steps` stepped windows' mean: samples after the last step (the
+        tutorial's loop, which does not step at an epoch's end) count in the epoch's mean only."""
         self.close()
         losses = torch.stack([w for w, _ in self.closed]).tolist()
         sums = distributed.all_sum(*losses, *(n for _, n in self.closed))

@@ -125,9 +125,8 @@ def resolve(
         raise ParamsError(f"variant {variant!r} is not in params.yaml variants: {', '.join(p.variants)}")
     v, settings = p.variants[variant], p.scale_settings(hw.scale)
     accum = accum or variant_accum(p, variant, plan, hw.scale, world)
-    micro = micro_batch_size(settings.batch, accum * world)
     precision = amp(hw.device, p.train, v.precision)
-    return RunSpec(
+    spec = RunSpec(
         variant=variant,
         scale=hw.scale,
         device=hw.device,
@@ -145,9 +144,8 @@ def resolve(
         seeds=p.seeds,
         memory_interval_ms=p.memory.interval_ms,
         same_step_as=step_twin(p, variant),
-        not_run=emulated(p, hw, precision),
-        over_budget=over_budget(p, hw, micro, plan, world),
     )
+    return spec.at(not_run=emulated(p, hw, precision), over_budget=over_budget(p, hw, spec.micro_batch, plan, world))
 
 
 # Models the code declares rather than params.yaml, so that editing a variant re-runs neither stage: what the sweep

@@ -57,7 +57,7 @@ def main() -> None:
         histories=histories,
     )
     groups = p.model.group_norm_groups  # the sentences name the norm by it
-    found = findings.findings(results, p.roles, groups, inputs.speed, inputs.plan)  # every number the report words
+    found = findings.findings(results, p.roles, groups, inputs.speed, inputs.plan, inputs.trace)  # every number worded
     rep = build(inputs, found)
     for name, png in rep.figures.items():
         with atomic_path(FIGURES / name) as tmp:

@@ -860,7 +860,7 @@ def test_the_planners_verdicts_are_computed_then_worded_from_the_rules(
     the plan's 10% margin (the direction that ends in out of memory). A prediction 3% under is "close" while
     rules.CLOSE is 5%; at 2% it is "under", and the row's words follow the rule, not a typed number."""
     ran, plan, trace = fixture_inputs(workdir)
-    checks = findings.planner_checks(ran, plan, trace)
+    checks = findings.findings(ran, ROLES, 1, None, plan, trace).planner
     acc = checks["accumulation"]
     assert acc.predicted_mib == pytest.approx(1200 + 1.6 * 256) and acc.measured_mib == 14000
     assert acc.under == pytest.approx(1 - (1200 + 1.6 * 256) / 14000) and acc.verdict == "under the margin"

@@ -88,7 +88,7 @@ def build(inputs: Inputs, found: findings.Findings) -> Report:
     if inputs.grad:
         gradcheck_section(rep, inputs.grad)
     if inputs.plan:
-        planner_section(rep, inputs.plan, cards, inputs.results, inputs.trace)
+        planner_section(rep, inputs.plan, cards, found)
     if inputs.trace:
         trace_section(rep, inputs)
     if hw.device == "cuda":
@@ -284,13 +284,7 @@ def trace_section(rep: Report, inputs: Inputs) -> None:
     rep.text(traced.cpu_note(trace))
 
 
-def planner_section(
-    rep: Report,
-    plan: Plan,
-    cards: list[dict[str, Any]],
-    results: Results,
-    trace: dict[str, Any] | None = None,
-) -> None:
+def planner_section(rep: Report, plan: Plan, cards: list[dict[str, Any]], found: findings.Findings) -> None:
     machine, line = plan.this_machine, plan.line
     fastest = planning.options_text(planner.this_machine_options(plan)[:1])
     rep.heading("Which card fits: the memory planner")
@@ -317,7 +311,7 @@ def planner_section(
         "process) and the peak the run measured. A prediction under the measurement by more than the safety "
         "margin is flagged: that is the direction that ends in an out-of-memory error."
     )
-    rep.table(planning.planner_rows(findings.planner_checks(results, plan, trace)))
+    rep.table(planning.planner_rows(found.planner))
 
 
 def time_section(rep: Report, inputs: Inputs) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 from gradaccum.params import Params
 from gradaccum.records import VariantRecord
 from gradaccum.report import rules
-from gradaccum.report.findings import Findings, Versus, holds
+from gradaccum.report.findings import CLAIMED_SHARE, Findings, Versus, holds
 from gradaccum.report.results import fmt, peak_mib, relative, seed_text
 from gradaccum.report.throughput import ratio_text, speed_verdict
 from gradaccum.report.variants import kept_labels
@@ -83,7 +83,7 @@ def ratio_claims(f: Findings) -> list[dict[str, str]]:
     """
     share = f.memory_share
     text = (
-        f"accumulation needs {CLAIMS['accumulation_gb'] / CLAIMS['baseline_gb']:.0%} of the baseline's memory "
+        f"accumulation needs {CLAIMED_SHARE:.0%} of the baseline's memory "
         f"({CLAIMS['accumulation_gb']:g} / {CLAIMS['baseline_gb']:g})"
     )
     if share is None:

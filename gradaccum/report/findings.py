@@ -13,6 +13,8 @@ from gradaccum.report import rules
 from gradaccum.report.results import Results, peak_mib, seed_mean, seed_values
 from gradaccum.tutorial import CLAIMS
 
+CLAIMED_SHARE = CLAIMS["accumulation_gb"] / CLAIMS["baseline_gb"]  # the tutorial's 13.7 / 30
+
 
 def sign_test_p(rounds: int) -> float:
     """A two-sided sign test of every round agreeing: it assumes nothing about the noise. With no difference, all
@@ -84,7 +86,7 @@ class MemoryShare:
     baseline_mib: float
     growing: tuple[float, float] | None  # the two peaks less the sweep's fixed part, on a CPU
 
-    claimed = CLAIMS["accumulation_gb"] / CLAIMS["baseline_gb"]
+    claimed = CLAIMED_SHARE
 
     @property
     def whole(self) -> float:
@@ -146,6 +148,7 @@ class Findings:
     speed: dict[str, SpeedRatio]  # each variant's interleaved speed over the norm control's
     loss: dict[str, float]  # each finished variant's final train loss, the seeds' mean
     fixed_mib: float | None  # on the CPU, the sweep's fitted fixed part of every peak (Python, libraries, weights)
+    planner: dict[str, PlannerCheck | str]  # each variant's planner check, or why it has none (no plan: empty)
 
     def role(self, key: str) -> VariantRecord | None:
         """The record of the variant playing `key` (baseline, treatment, ...), if it trained to the end."""
@@ -201,7 +204,12 @@ class Findings:
 
 
 def findings(
-    results: Results, roles: Roles, groups: int, speed: dict[str, Any] | None = None, plan: Plan | None = None
+    results: Results,
+    roles: Roles,
+    groups: int,
+    speed: dict[str, Any] | None = None,
+    plan: Plan | None = None,
+    trace: dict[str, Any] | None = None,
 ) -> Findings:
     done = {name: r.record for name, r in results.items() if r.record.completed}  # the variants that trained to the end
     return Findings(
@@ -212,6 +220,7 @@ def findings(
         speed=speed_ratios(speed, roles.norm_control) if speed else {},
         loss={n: mean for n, m in done.items() if (mean := seed_mean(m, "final_train_loss")) is not None},
         fixed_mib=plan.line.fixed_mib if plan and plan.device == "cpu" else None,
+        planner=planner_checks(results, plan, trace) if plan else {},
     )
 
 
@@ -232,6 +241,7 @@ def planner_checks(results: Results, plan: Plan, trace: dict[str, Any] | None = 
     there is none. The sweep runs GroupNorm at the default precision; a variant at the other precision is
     predicted as the sweep's figure plus what the trace says the precision changes."""
     out: dict[str, PlannerCheck | str] = {}
+    margin = plan.this_machine.safety_margin
     for name, r in results.items():
         m = r.record
         if not m.completed:
@@ -244,7 +254,6 @@ def planner_checks(results: Results, plan: Plan, trace: dict[str, Any] | None = 
                 out[name] = f"no fit for {m.amp}: the sweep runs the default precision"
                 continue
             predicted, source = predicted + shift[0], f"sweep {shift[0]:+.0f} MiB traced for {m.amp} (vs {shift[1]})"
-        margin = plan.this_machine.safety_margin
         out[name] = PlannerCheck(name, m.micro_batch, predicted, peak_mib(m), source, margin)
     return out
 

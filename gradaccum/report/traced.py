@@ -15,7 +15,7 @@ from gradaccum.params import Roles
 from gradaccum.records import Plan, VariantRecord
 from gradaccum.report import rules
 from gradaccum.report.claims import COSTS, SAVES, verdict
-from gradaccum.report.findings import holds
+from gradaccum.report.findings import CLAIMED_SHARE, holds
 from gradaccum.report.results import Results, fmt, load_variants, peak_mib
 from gradaccum.tutorial import CLAIMS
 
@@ -376,7 +376,7 @@ def tutorial_claims(trace: dict[str, Any], results: Results, on_gpu: bool, roles
     rows = {c.variant: c.row for c in figures}
     base, acc = rows.get(roles.baseline), rows.get(roles.tutorial_code)
     if base and acc:
-        claimed = CLAIMS["accumulation_gb"] / CLAIMS["baseline_gb"]
+        claimed = CLAIMED_SHARE
         ratio = acc["gpu_nvidia_smi_mib"] / base["gpu_nvidia_smi_mib"]
         tensors = acc["peak_mib"] / base["peak_mib"]
         out.append(
