@@ -154,26 +154,28 @@ CUDA_CONTEXT = 500 * MIB  # driver, kernels, cuDNN/cuBLAS handles: outside PyTor
 @dataclass(frozen=True)
 class Gpu:
     """What differs between GPUs that the prediction uses: the card's size (GiB, as nvidia-smi's MiB / 1024), its
+    architecture (compute capability: the attention kernel CUDA picks, gradaccum/attention.py) and that
     architecture's cuBLAS workspace, and the CUDA context (the same assumption on every card)."""
 
     name: str
     memory_gib: float
     cublas_workspace: int = CUBLAS_WORKSPACE
     context: int = CUDA_CONTEXT
+    sm: tuple[int, int] = (9, 0)
 
 
 GPUS = {  # --gpu NAME in gradaccum.fit; the study's figures are the H100's
     "h100": Gpu("H100 80GB (sm90)", 80),
     "h200": Gpu("H200 141GB (sm90)", 141),
-    "a100-40gb": Gpu("A100 40GB (sm80)", 40, CUBLAS_WORKSPACE_BEFORE_SM90),
-    "a100-80gb": Gpu("A100 80GB (sm80)", 80, CUBLAS_WORKSPACE_BEFORE_SM90),
-    "a10": Gpu("A10 24GB (sm86)", 24, CUBLAS_WORKSPACE_BEFORE_SM90),
-    "l4": Gpu("L4 24GB (sm89)", 24, CUBLAS_WORKSPACE_BEFORE_SM90),
-    "rtx3090": Gpu("RTX 3090 24GB (sm86)", 24, CUBLAS_WORKSPACE_BEFORE_SM90),
-    "rtx4090": Gpu("RTX 4090 24GB (sm89)", 24, CUBLAS_WORKSPACE_BEFORE_SM90),
-    "v100-16gb": Gpu("V100 16GB (sm70)", 16, CUBLAS_WORKSPACE_BEFORE_SM90),
-    "v100-32gb": Gpu("V100 32GB (sm70)", 32, CUBLAS_WORKSPACE_BEFORE_SM90),
-    "t4": Gpu("T4 16GB (sm75)", 15, CUBLAS_WORKSPACE_BEFORE_SM90),  # 15360 MiB visible
+    "a100-40gb": Gpu("A100 40GB (sm80)", 40, CUBLAS_WORKSPACE_BEFORE_SM90, sm=(8, 0)),
+    "a100-80gb": Gpu("A100 80GB (sm80)", 80, CUBLAS_WORKSPACE_BEFORE_SM90, sm=(8, 0)),
+    "a10": Gpu("A10 24GB (sm86)", 24, CUBLAS_WORKSPACE_BEFORE_SM90, sm=(8, 6)),
+    "l4": Gpu("L4 24GB (sm89)", 24, CUBLAS_WORKSPACE_BEFORE_SM90, sm=(8, 9)),
+    "rtx3090": Gpu("RTX 3090 24GB (sm86)", 24, CUBLAS_WORKSPACE_BEFORE_SM90, sm=(8, 6)),
+    "rtx4090": Gpu("RTX 4090 24GB (sm89)", 24, CUBLAS_WORKSPACE_BEFORE_SM90, sm=(8, 9)),
+    "v100-16gb": Gpu("V100 16GB (sm70)", 16, CUBLAS_WORKSPACE_BEFORE_SM90, sm=(7, 0)),
+    "v100-32gb": Gpu("V100 32GB (sm70)", 32, CUBLAS_WORKSPACE_BEFORE_SM90, sm=(7, 0)),
+    "t4": Gpu("T4 16GB (sm75)", 15, CUBLAS_WORKSPACE_BEFORE_SM90, sm=(7, 5)),  # 15360 MiB visible
 }
 STUDY_GPU = GPUS["h100"]
 GPU_ASSUMPTIONS = {

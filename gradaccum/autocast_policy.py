@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from gradaccum.choices import PINNED_TORCH  # the torch these lists were read from
 from gradaccum.refusal import BadInput
 
-PINNED_TORCH = "2.14.1"  # the torch these lists were read from
 CPU, CUDA = "cpu", "cuda"  # the policies a trace row names
 NATIVE_CUDA = "cuda_native"  # CUDA's own autocast on fake CUDA tensors: only where a driver is (the device check)
 

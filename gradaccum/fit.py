@@ -16,11 +16,6 @@ traced and replayed), and what activation checkpointing or the other precision w
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import difflib
-import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +26,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from gradaccum import allocator, autocast_policy, planner, trace
 from gradaccum.accumulation import accum_for, fewest_for_micro, micro_batch_size, next_accum, previous_accum
-from gradaccum.refusal import BadInput, refuse
+from gradaccum.choices import DEFAULT_CARDS
+from gradaccum.refusal import BadInput
+from gradaccum.sources import Source, Untraceable, function_source, image_source
 from gradaccum.spec import AMP_DTYPES, RunSpec, other_precision
 
 PRINTED_KINDS = {  # the trace's kinds -> what the printout calls them
@@ -42,19 +39,13 @@ PRINTED_KINDS = {  # the trace's kinds -> what the printout calls them
     "temporaries": ("temporaries_mib",),
     "other (resident data)": ("data_mib",),  # the input batch is an activation: the first layer saves it
 }
-DEFAULT_CARDS = (8.0, 12.0, 16.0, 24.0, 40.0, 80.0)
-INPUT_DTYPES = ("float32", "float16", "bfloat16")
-
-
-class Untraceable(BadInput):
-    """A model that cannot be built or traced: refused in one line that names it and says why."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Question:
     """What a person with a model, a batch and a card asks: every setting of the step, and the cards."""
 
-    model: str  # a timm name, or torchvision:NAME
+    model: str  # a timm name, torchvision:NAME or hf:NAME; with model_fn, a label
     input: tuple[int, int, int] = (1, 28, 28)
     num_classes: int = 10
     batch: int = 256  # the effective batch: samples per optimizer step
@@ -68,64 +59,41 @@ class Question:
     gpu: allocator.Gpu = allocator.STUDY_GPU
     cards: tuple[float, ...] = DEFAULT_CARDS
     margin: float = 0.05  # left free on every card, as params.yaml's memory.safety_margin
+    seq_len: int | None = None  # token ids per sample (hf:, or a model_fn fed tokens)
+    vocab: int | None = None  # a model_fn's token ids are below it
+    task: str | None = None  # hf: the task (gradaccum.hf.TASKS); None: the configuration's
+    attn: str | None = None  # hf: eager or sdpa; None: what transformers picks
+    lora: int | None = None  # hf: peft's LoRA of this rank, the base frozen
+    model_fn: str | None = None  # FILE.py:FUNCTION or package.module:FUNCTION returning an nn.Module
+    loss_fn: str | None = None  # the same syntax: loss(output, labels)
 
 
-def model_builder(
-    name: str, input: tuple[int, int, int], num_classes: int, checkpointing: bool
-) -> Callable[[], nn.Module]:
-    """A function that builds the model, untrained (no download); refused here, in one line, if it cannot be."""
-    if name.startswith("torchvision:"):
-        import torchvision
+def question_source(q: Question) -> Source:
+    """Where the question's model comes from (gradaccum/sources.py, gradaccum/hf.py); refused in one line if it
+    cannot be had."""
+    if q.model_fn:
+        return function_source(
+            q.model_fn, q.input, q.num_classes, q.seq_len, q.vocab, q.loss_fn, q.input_dtype, q.channels_last
+        )
+    if q.model.startswith("hf:"):
+        from gradaccum.hf import hf_source  # transformers is an extra: imported only when asked for
 
-        arch = name.removeprefix("torchvision:")
-        known = torchvision.models.list_models()
-        if arch not in known:
-            close = difflib.get_close_matches(arch, known, n=3)
-            raise Untraceable(f"{name}: not a torchvision model; close: {', '.join(close) or 'none'}")
-        if input[0] != 3:
-            raise Untraceable(f"{name}: torchvision's models take 3 input channels, not --input {fmt_input(input)}")
-        if checkpointing:
-            raise Untraceable(f"{name}: --checkpointing needs timm's set_grad_checkpointing; torchvision has none")
-        return lambda: torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
-    import timm
-
-    if not timm.is_model(name):
-        close = difflib.get_close_matches(name, timm.list_models(), n=3)
-        raise Untraceable(f"{name}: not a timm model (or torchvision:NAME); close: {', '.join(close) or 'none'}")
-
-    def build() -> nn.Module:
-        kwargs: dict[str, Any] = {"pretrained": False, "in_chans": input[0], "num_classes": num_classes}
-        with contextlib.suppress(TypeError):  # a model of fixed input size (ViT) takes the input's
-            model = timm.create_model(name, img_size=input[1:], **kwargs)
-            return grad_checkpointing(model, name) if checkpointing else model
-        model = timm.create_model(name, **kwargs)
-        return grad_checkpointing(model, name) if checkpointing else model
-
-    return build
+        return hf_source(q.model.removeprefix("hf:"), q.seq_len or 512, q.task, q.attn, q.lora)
+    return image_source(q.model, q.input, q.num_classes)
 
 
-def grad_checkpointing(model: nn.Module, name: str) -> nn.Module:
-    try:
-        model.set_grad_checkpointing(True)
-    except (AssertionError, NotImplementedError) as err:
-        raise Untraceable(
-            f"{name}: timm has no activation checkpointing for it ({err or type(err).__name__})"
-        ) from None
-    return model
-
-
-def fake_safe(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+def fake_safe(build: Callable[[bool], nn.Module], checkpointing: bool) -> Callable[[], nn.Module]:
     """`build` under fake tensors; a model whose construction reads a value (which a fake tensor has not) is built
     for real on the CPU instead and its weights and buffers made fake in the trace's own mode."""
 
     def make() -> nn.Module:
         try:
-            return build()
+            return build(checkpointing)
         except Untraceable:
             raise
         except Exception:  # a value read at construction: build it for real, then fake
             with unset_fake_temporarily():
-                model = build()
+                model = build(checkpointing)
             mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
             for module in model.modules():
                 for key, p in module._parameters.items():
@@ -137,10 +105,6 @@ def fake_safe(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
             return model
 
     return make
-
-
-def fmt_input(shape: tuple[int, int, int]) -> str:
-    return "x".join(map(str, shape))
 
 
 @dataclass
@@ -226,15 +190,14 @@ class Engine:
         return accum
 
 
-def question_engine(q: Question) -> Engine:
-    """The engine of a question's step: its model, fed a DataLoader's batches, nothing resident."""
-    builders: dict[bool, Callable[[], nn.Module]] = {}
+def question_engine(q: Question, source: Source | None = None) -> Engine:
+    """The engine of a question's step: its model (from `source`, else the question's), fed a DataLoader's
+    batches, nothing resident."""
+    source = source or question_source(q)
 
     def make(micro: int, accum: int, checkpointing: bool, amp: str) -> trace.TracedStep:
-        if checkpointing not in builders:
-            builders[checkpointing] = fake_safe(model_builder(q.model, q.input, q.num_classes, checkpointing))
         return trace.TracedStep(
-            build=builders[checkpointing],
+            build=fake_safe(source.build, checkpointing),
             micro=micro,
             accum=accum,
             num_classes=q.num_classes,
@@ -245,10 +208,11 @@ def question_engine(q: Question) -> Engine:
             optimizer=q.optimizer,
             channels_last=q.channels_last,
             torch_version=q.torch_version,
+            feed=source.feed,
         )
 
     usable = tuple(planner.card_usable_mib(card, q.margin) for card in q.cards)
-    return Engine(q.model, q.batch, make, q.checkpointing, q.amp, autocast_policy.CUDA, q.gpu, usable)
+    return Engine(source.name, q.batch, make, q.checkpointing, q.amp, autocast_policy.CUDA, q.gpu, usable)
 
 
 def spec_engine(spec: RunSpec, cards_mib: tuple[float, ...] = ()) -> Engine:
@@ -288,13 +252,14 @@ def option(engine: Engine, accum: int | None, usable: float, checkpointing: bool
 def answer(q: Question) -> dict[str, Any]:
     """The prediction at the question's accum (1 when it leaves accum to this), and per card whether it fits, the
     smallest accum that does, and what checkpointing or the other precision would need instead."""
-    engine = question_engine(q)
+    source = question_source(q)
+    engine = question_engine(q, source)
     accum = q.accum or 1
     row = engine.trace(micro_batch_size(q.batch, accum), accum, q.checkpointing, q.amp)
     out: dict[str, Any] = {
-        "model": q.model,
-        "input": fmt_input(q.input),
-        "num_classes": q.num_classes,
+        "model": source.name,
+        "input": source.input,
+        "notes": list(source.notes),
         "batch": q.batch,
         "accum": accum,
         "micro_batch": micro_batch_size(q.batch, accum),
@@ -305,6 +270,7 @@ def answer(q: Question) -> dict[str, Any]:
         "input_dtype": q.input_dtype,
         "gpu": q.gpu.name,
         "autocast_policy": row["autocast_policy"],
+        "attention": row.get("attention"),
         "tensors_mib": {kind: round(sum(row[k] for k in keys), 1) for kind, keys in PRINTED_KINDS.items()},
         "allocated_mib": round(row["gpu_allocated_mib"], 1),
         "reserved_mib": round(row["gpu_reserved_mib"], 1),
@@ -312,14 +278,14 @@ def answer(q: Question) -> dict[str, Any]:
         "context_mib": round(row["gpu_context_mib"], 1),
         "cards": [],
     }
-    other, torchvision = other_precision(q.amp, "cuda"), q.model.startswith("torchvision:")
+    other = other_precision(q.amp, "cuda")
     for card, usable in zip(q.cards, engine.cards_mib, strict=True):
         on_card = engine.on_card(accum, usable)
         entry: dict[str, Any] = {"card_gb": card} | on_card
         smallest = engine.smallest_accum_by_replay(usable, q.checkpointing, q.amp)  # fewer than --accum may fit too
         entry["smallest_accum"] = option(engine, smallest, usable, q.checkpointing, q.amp)
         if not on_card["fits"]:  # what the other levers would need instead
-            if not (q.checkpointing or torchvision):  # torchvision's models have no checkpointing switch
+            if not q.checkpointing and source.checkpointing:  # a model without a switch has no such lever
                 with_ckpt = engine.smallest_accum_by_replay(usable, True, q.amp)
                 entry["with_checkpointing"] = option(engine, with_ckpt, usable, True, q.amp)
             entry["other_precision"] = option(
@@ -341,16 +307,25 @@ def option_text(o: dict[str, Any] | None, with_amp: bool = False) -> str:
 FREES = ", fitting only as the allocator frees its cache and retries (slower)"
 
 
+def attention_text(attention: dict[str, Any]) -> str:
+    """Which kernel CUDA's scaled_dot_product_attention took (gradaccum/attention.py), and why not the earlier ones."""
+    taken = ", ".join(f"{kernel} x {n}" for kernel, n in attention["kernels"].items())
+    why = f" (passed over: {'; '.join(attention['passed_over'])})" if attention["passed_over"] else ""
+    return f"attention as CUDA selects it on this GPU: {taken}{why}"
+
+
 def printout(a: dict[str, Any]) -> str:
     """The answer for a reader: what was traced, its tensors by kind, the three predicted figures, each card."""
     gib = {k: f"{v / 1024:.2f}" for k, v in a["tensors_mib"].items()}
     lines = [
-        f"{a['model']}: input {a['input']}, {a['num_classes']} classes, batch {a['batch']} as {a['accum']} x "
+        f"{a['model']}: input {a['input']}, batch {a['batch']} as {a['accum']} x "
         f"{a['micro_batch']}, {a['amp']} autocast, {a['optimizer']}"
         + (", activation checkpointing" if a["checkpointing"] else "")
         + (", channels-last" if a["channels_last"] else "")
         + (f", the batch arriving as {a['input_dtype']}" if a["input_dtype"] != "float32" else "")
         + f"; on {a['gpu']}, under {a['autocast_policy']}",
+        *a["notes"],
+        *([attention_text(a["attention"])] if a["attention"] else []),
         "traced tensors at the step's peak (GiB): " + ", ".join(f"{k} {v}" for k, v in gib.items()),
         f"predicted: torch.cuda.max_memory_allocated {a['allocated_mib'] / 1024:.2f} GiB, max_memory_reserved "
         f"{a['reserved_mib'] / 1024:.2f} GiB, nvidia-smi {a['nvidia_smi_mib'] / 1024:.2f} GiB (with an assumed "
@@ -372,74 +347,7 @@ def printout(a: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def shape(text: str) -> tuple[int, int, int]:
-    parts = text.lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r} is not CxHxW, e.g. 3x224x224")
-    return int(parts[0]), int(parts[1]), int(parts[2])
+if __name__ == "__main__":  # `python -m gradaccum.fit`, the older spelling of gradaccum-fit (gradaccum/cli.py)
+    import runpy
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="a timm model name, or torchvision:NAME")
-    parser.add_argument("--input", type=shape, default=(1, 28, 28), metavar="CxHxW", help="default: 1x28x28")
-    parser.add_argument("--num-classes", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=256, help="the effective batch (samples per optimizer step)")
-    parser.add_argument("--accum", type=int, help="micro-batches per step (default: the smallest that fits each card)")
-    parser.add_argument("--amp", choices=list(AMP_DTYPES), default="float16")
-    parser.add_argument("--optimizer", choices=list(trace.OPTIMIZERS), default="adamw")
-    parser.add_argument("--checkpointing", action="store_true", help="timm's activation checkpointing")
-    parser.add_argument("--channels-last", action="store_true")
-    parser.add_argument(
-        "--input-dtype", choices=INPUT_DTYPES, default="float32", help="as the batch reaches the GPU (default float32)"
-    )
-    parser.add_argument(
-        "--torch",
-        dest="torch_version",
-        default=autocast_policy.PINNED_TORCH,
-        metavar="VERSION",
-        help=f"the torch the step runs on, if older than {autocast_policy.PINNED_TORCH}: before 1.10 CUDA autocast ran "
-        "gelu in float32, before 2.0 zero_grad kept the gradients",
-    )
-    parser.add_argument("--gpu", choices=list(allocator.GPUS), default="h100")
-    parser.add_argument("--cards", type=float, nargs="+", metavar="GB", help="default: the --gpu's size, or 8 to 80")
-    parser.add_argument("--margin", type=float, default=0.05, help="left free on every card (default 0.05)")
-    parser.add_argument("--json", action="store_true", help="one JSON object")
-    args = parser.parse_args(argv)
-    for name, value, ok in (
-        ("--batch", args.batch, args.batch >= 1),
-        ("--num-classes", args.num_classes, args.num_classes >= 1),
-        ("--accum", args.accum, args.accum is None or 1 <= args.accum <= args.batch),
-        ("--margin", args.margin, 0 <= args.margin < 1),
-        ("--cards", args.cards, not args.cards or all(c > 0 for c in args.cards)),
-    ):
-        if not ok:
-            parser.error(f"{name} {value} is not allowed: see --help")
-    gpu = allocator.GPUS[args.gpu]
-    cards = tuple(args.cards) if args.cards else ((gpu.memory_gib,) if "--gpu" in (argv or sys.argv) else DEFAULT_CARDS)
-    q = Question(
-        model=args.model,
-        input=args.input,
-        num_classes=args.num_classes,
-        batch=args.batch,
-        accum=args.accum,
-        amp=args.amp,
-        optimizer=args.optimizer,
-        checkpointing=args.checkpointing,
-        channels_last=args.channels_last,
-        input_dtype=args.input_dtype,
-        torch_version=args.torch_version,
-        gpu=gpu,
-        cards=cards,
-        margin=args.margin,
-    )
-    try:
-        autocast_policy.fp32_before(q.torch_version)
-        a = answer(q)
-    except BadInput as err:
-        refuse(err)
-    print(json.dumps(a, indent=1) if args.json else printout(a))
-
-
-if __name__ == "__main__":
-    main()
+    runpy.run_module("gradaccum.cli", run_name="__main__")

@@ -19,24 +19,26 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from timm.layers import is_fast_norm, set_fast_norm
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _UpdateType
 
 from gradaccum import allocator, autocast_policy
+from gradaccum.attention import CudaKernels
 from gradaccum.loop import make_optimizer, normalize
 from gradaccum.memory import MIB
 from gradaccum.models import IMAGE_SIZE, spec_model
 from gradaccum.params import Params
 from gradaccum.records import Hardware, Line
+from gradaccum.sources import recipe_loss
 from gradaccum.spec import AutoUndecided, RunSpec, resolve
 
 TRACKER_KINDS = {  # MemTracker's names for what holds memory -> ours
@@ -48,6 +50,14 @@ TRACKER_KINDS = {  # MemTracker's names for what holds memory -> ours
     "Temp": "temporaries",
     "Other": "data",
 }
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+NO_HOOK = _NoHook()
 
 
 class PeakTracker(MemTracker):
@@ -69,6 +79,14 @@ class PeakTracker(MemTracker):
         super()._update_snap(u_type, winfo, *args, **kwargs)
         if u_type in (_UpdateType.ADD, _UpdateType.SIZE):
             self.events.append(("malloc", winfo, winfo.mem_consumed))
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        """MemTracker hooks every parameter's gradient, which a frozen one (LoRA's base) refuses: give those a
+        handle that removes nothing, so it skips them."""
+        for p in module.parameters():
+            if not p.requires_grad:
+                self._param_to_grad_hook_handles.setdefault(p, (NO_HOOK, NO_HOOK))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         for device, snapshot in self._curr_mem_snap.items():
@@ -97,7 +115,8 @@ def steady_optimizer(
     holds one tensor's at a time."""
     opt = OPTIMIZERS[kind](model, foreach=True if policy == autocast_policy.CUDA else None)  # native: CUDA's
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        if p.requires_grad:  # a frozen weight (LoRA's base) gets no gradient and no optimizer state
+            p.grad = torch.zeros_like(p)
     opt.step()
     if accum == 1:
         opt.zero_grad(set_to_none=set_to_none)
@@ -114,6 +133,9 @@ class TracedStep:
     casts the batch as it copies it, `.to(device, dtype)`): a normalised batch of `input`'s shape, copied to the
     device each step, nothing resident. `torch_version` is the torch whose defaults the step follows, for a
     measurement made on an older one: its CUDA autocast lists (autocast_policy.cuda_policy) and its zero_grad.
+    `feed`, for a model that is not the study's image classifier (a transformer, a user's own): the model's loss on
+    one micro-batch of its own input, made inside, and that batch, which the loop holds until backward is done
+    (gradaccum/sources.py); `input` and `num_classes` then go unused.
     """
 
     build: Callable[[], nn.Module]
@@ -127,6 +149,7 @@ class TracedStep:
     optimizer: str = "adamw"
     channels_last: bool = False
     torch_version: str = autocast_policy.PINNED_TORCH
+    feed: Callable[[nn.Module, int, str], tuple[torch.Tensor, Any]] | None = None
 
     @property
     def set_to_none(self) -> bool:
@@ -163,18 +186,24 @@ class TracedStep:
         images = torch.empty(self.micro, *self.input, dtype=getattr(torch, self.arrives), device=device)
         return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
+    def image_loss(self, model: nn.Module, device: str) -> tuple[torch.Tensor, Any]:
+        """The classifier on one micro-batch of images: cross-entropy against random labels (with auxiliary heads'
+        losses where its recipe adds them: sources.recipe_loss)."""
+        images = self.images(device)
+        labels = torch.empty(self.micro, dtype=torch.long, device=device).random_(self.num_classes)
+        logits = model(normalize(images) if self.arrives == "uint8" else images)
+        return recipe_loss(logits, labels), (images, labels)
+
     def run(self, model: nn.Module, opt: torch.optim.Optimizer, device: str = "cpu") -> None:
         """One micro-batch's forward and backward as the loop runs it, then the optimizer step that ends a window.
 
         The loop's loss weighting and GradScaler hold no tensors of any size (the scaler unscales in place),
         so the peak is this one's.
         """
-        images = self.images(device)
-        labels = torch.empty(self.micro, dtype=torch.long, device=device).random_(self.num_classes)
         with torch.autocast(device, dtype=self.dtype, enabled=self.dtype is not None):
-            loss = F.cross_entropy(model(normalize(images) if self.arrives == "uint8" else images), labels)
+            loss, batch = self.feed(model, self.micro, device) if self.feed else self.image_loss(model, device)
         loss.backward()
-        del loss, images, labels
+        del loss, batch
         opt.step()
         opt.zero_grad(set_to_none=self.set_to_none)
 
@@ -187,12 +216,17 @@ def trace_step(
     `policy` is whose autocast rules cast each op ("cuda" or "cpu"): a GPU figure needs CUDA's, and with them
     comes what CUDA's caching allocator would make of the same allocations (gradaccum/allocator.py): its
     allocated and reserved peaks and the nvidia-smi figure they predict; and for each usable size in `cards_mib`,
-    the same allocations replayed on a card of that size (`gpu_cards`: allocator.on_card).
+    the same allocations replayed on a card of that size (`gpu_cards`: allocator.on_card). Under CUDA's rules each
+    scaled_dot_product_attention runs the kernel `gpu`'s CUDA would pick (gradaccum/attention.py); the row's
+    `attention` names them.
     """
     cuda = policy == autocast_policy.CUDA
     rules = autocast_policy.cuda_policy(s.torch_version) if cuda else contextlib.nullcontext()
+    attention = CudaKernels(gpu) if cuda else contextlib.nullcontext()
     device = "cuda" if policy == autocast_policy.NATIVE_CUDA else "cpu"  # fake CUDA tensors need a driver
-    with rules as difference, FakeTensorMode(), torch.device(device):  # made there: a fake module cannot move
+    with rules as difference, attention, FakeTensorMode(), torch.device(device), warnings.catch_warnings():
+        # ModTracker warns when a module's weak reference is gone by its backward hook (a peft wrapper's): harmless
+        warnings.filterwarnings("ignore", "Module is None", UserWarning)
         model, opt, data = s.made(policy, device)
         tracker = PeakTracker()
         tracker.track_external(model, opt, data)
@@ -204,6 +238,8 @@ def trace_step(
     kinds = {ours: peak.get(theirs, 0) / MIB for theirs, ours in TRACKER_KINDS.items()}
     row: dict[str, Any] = {"peak_mib": sum(kinds.values()), **{f"{k}_mib": v for k, v in kinds.items()}}
     row["autocast_policy"] = policy_name(policy, s.dtype, difference, s.torch_version)
+    if isinstance(attention, CudaKernels) and attention.chosen:
+        row["attention"] = attention.summary()
     if policy in (autocast_policy.CUDA, autocast_policy.NATIVE_CUDA):
         row |= allocator.predict_gpu(events[:start], events[start:], gpu=gpu)
         if cards_mib:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradaccum import allocator, autocast_policy, fit, trace
+from gradaccum import allocator, autocast_policy, cli, fit, trace
 from gradaccum.accumulation import micro_batch_size, previous_accum
 from gradaccum.refusal import REFUSED
 
@@ -120,17 +120,17 @@ def test_a_model_that_cannot_be_traced_is_refused_in_one_line(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_:
-        fit.main(argv)
+        cli.main(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == REFUSED and message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_json_is_one_object_and_the_text_names_each_card(capsys: pytest.CaptureFixture[str]) -> None:
-    fit.main(["test_resnet", "--input", "3x32x32", "--batch", "32", "--cards", "0.55", "80", "--json"])
+    cli.main(["test_resnet", "--input", "3x32x32", "--batch", "32", "--cards", "0.55", "80", "--json"])
     a = json.loads(capsys.readouterr().out)
     assert [c["card_gb"] for c in a["cards"]] == [0.55, 80.0] and a["cards"][1]["fits"]
     argv = ["--cards", "80", "--optimizer", "sgd", "--amp", "bfloat16", "--channels-last"]
-    fit.main(["test_resnet", "--input", "3x32x32", "--batch", "32", *argv])
+    cli.main(["test_resnet", "--input", "3x32x32", "--batch", "32", *argv])
     out = capsys.readouterr().out
     assert "80 GB card" in out and "fits" in out and "max_memory_allocated" in out
     assert "bfloat16 autocast, sgd, channels-last" in out
@@ -138,9 +138,9 @@ def test_json_is_one_object_and_the_text_names_each_card(capsys: pytest.CaptureF
 
 def test_bad_options_are_refused_by_name() -> None:
     with pytest.raises(SystemExit):
-        fit.main(["test_resnet", "--input", "224x224"])
+        cli.main(["test_resnet", "--input", "224x224"])
     with pytest.raises(SystemExit):
-        fit.main(["test_resnet", "--accum", "0"])
+        cli.main(["test_resnet", "--accum", "0"])
 
 
 def test_the_studys_step_and_a_questions_step_share_the_engine() -> None:
@@ -203,7 +203,7 @@ def test_a_model_without_checkpointing_that_does_not_fit_is_answered_without_tha
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """torchvision has no checkpointing switch: a card it does not fit gets the other answers, and no crash."""
-    fit.main(["torchvision:resnet18", "--input", "3x32x32", "--batch", "64", "--cards", "0.5"])
+    cli.main(["torchvision:resnet18", "--input", "3x32x32", "--batch", "64", "--cards", "0.5"])
     out = capsys.readouterr().out
     assert "0.5 GB card" in out and "does not fit at accum 1" in out and "with checkpointing" not in out
 
