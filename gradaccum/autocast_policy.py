@@ -85,6 +85,13 @@ FP32_UNTIL = {"gelu": "1.10"}
 # branched) passed its dtype instead. On CUDA, float16 in and float32 out, the input kept was the float16 one.
 SAVES_INPUT_UNTIL = {"softmax.int": "1.11", "log_softmax.int": "1.11"}
 BACKWARD = {"softmax.int": "_softmax_backward_data", "log_softmax.int": "_log_softmax_backward_data"}
+# Ops CUDA's fp32 list took in at a release: rms_norm from 2.12 (pytorch/pytorch#188955); before, not listed, it
+# ran in its input's dtype, as an op CUDA does not list falls through.
+FP32_FROM = {"rms_norm": "2.12"}
+# In-place activations whose derivative read their result until a release, so autograd kept the result alone; from
+# then it reads the input, and autograd clones the input before the op writes over it: hardtanh_ (ReLU6(inplace=True))
+# from 1.10 (PR #62329 switched its derivative to `self`; pytorch/pytorch#95432).
+RESULT_BACKWARD_UNTIL = {"hardtanh_": "1.10"}
 
 POLICIES = {
     **dict.fromkeys(LOWER_PRECISION_FP, "lower_precision_fp"),
@@ -256,12 +263,61 @@ def keeps_input(version: str) -> tuple[str, ...]:
     return tuple(op for op, until in SAVES_INPUT_UNTIL.items() if release(version) < release(until))
 
 
+def not_yet_fp32(version: str) -> tuple[str, ...]:
+    """The ops on the lists here that torch `version`'s CUDA autocast did not yet cast to float32 (FP32_FROM)."""
+    fp32_before(version)
+    return tuple(op for op, since in FP32_FROM.items() if release(version) < release(since))
+
+
+def saves_result(version: str) -> tuple[str, ...]:
+    """The in-place ops whose backward read their result on torch `version`, so no clone was kept."""
+    fp32_before(version)
+    return tuple(op for op, until in RESULT_BACKWARD_UNTIL.items() if release(version) < release(until))
+
+
 def older_rules(version: str) -> str:
-    """How torch `version`'s CUDA autocast step differs from the pinned lists, as far as modelled; "" for none."""
-    fp32, kept = fp32_before(version), keeps_input(version)
+    """How torch `version`'s CUDA step differs from the pinned torch's in what it keeps, as far as modelled (each
+    rule with its source above); "" for none."""
+    fp32, kept, unlisted, result = (
+        fp32_before(version),
+        keeps_input(version),
+        not_yet_fp32(version),
+        saves_result(version),
+    )
     parts = [f"{', '.join(fp32)} in float32"] if fp32 else []
     parts += [f"{' and '.join(op.partition('.')[0] for op in kept)} keeping their input for backward"] if kept else []
+    parts += [f"{', '.join(unlisted)} in its input's dtype (not yet on the float32 list)"] if unlisted else []
+    parts += [f"{', '.join(result)} keeping its result, not a clone of its input"] if result else []
     return "; ".join(parts)
+
+
+class _InPlaceFromResult(torch.autograd.Function):
+    """hardtanh_ as torch before 1.10 differentiated it: from its result (kept, marked dirty), no clone of the input;
+    the gradient is the same (the result is inside the bounds exactly where the input was)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+        below = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU)
+        with torch._C._ExcludeDispatchKeyGuard(below):
+            torch.ops.aten.hardtanh_.default(x, low, high)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x)
+        ctx.bounds = (low, high)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (result,) = ctx.saved_tensors
+        low, high = ctx.bounds
+        return grad * ((result > low) & (result < high)), None, None
+
+
+def _result_kernel(x: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0) -> torch.Tensor:
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        below = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU)
+        with torch._C._ExcludeDispatchKeyGuard(below):
+            return torch.ops.aten.hardtanh_.default(x, min_val, max_val)
+    return _InPlaceFromResult.apply(x, min_val, max_val)
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -285,11 +341,15 @@ def cuda_policy(version: str = PINNED_TORCH) -> Iterator[Difference]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
             for name, policy in POLICIES.items():
-                if name not in CUDA_ONLY and name not in diff.gone:
+                if name not in CUDA_ONLY and name not in diff.gone and name not in not_yet_fp32(version):
                     lib.impl(name, _kernel(name, policy, name in keeps_input(version)), "AutocastCPU")
             older = fp32_before(version)
             for name in older:
                 lib.impl(name, _kernel(name, "fp32"), "AutocastCPU")
+            for name in not_yet_fp32(version):
+                lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+            for name in saves_result(version):
+                lib.impl(name, _result_kernel, "AutogradCPU")
             for name in registered("AutocastCPU") - set(POLICIES) - set(diff.new) - set(older):
                 lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
             for name in (*diff.gone, *diff.new):

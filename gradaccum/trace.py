@@ -100,6 +100,10 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {  # what a step's
     "adam": lambda model, foreach: torch.optim.Adam(model.parameters(), lr=1e-3, foreach=foreach),
     "sgd": lambda model, foreach: torch.optim.SGD(model.parameters(), lr=0.1, foreach=foreach),
     "sgd-momentum": lambda model, foreach: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=foreach),
+    # AdamW one parameter at a time on any device (foreach=False): as transformers' own AdamW, the Trainer's default
+    # before `adamw_torch`, stepped, holding one parameter's temporaries, not a list of them
+    "adamw-loop": lambda model, foreach: torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01,
+                                                           foreach=False),  # fmt: skip
 }
 
 

@@ -313,6 +313,43 @@ def test_before_torch_1_11_softmax_kept_its_float16_input_for_backward_and_its_g
         assert kept == (version == "1.7.1"), version
         (grads[version],) = torch.autograd.grad((y * torch.arange(5.0)).sum(), x)
     assert torch.equal(grads["1.7.1"], grads["1.11.0"]) and grads["1.7.1"].dtype == torch.float16
-    older = "gelu in float32; softmax and log_softmax keeping their input for backward"
+    older = (
+        "gelu in float32; softmax and log_softmax keeping their input for backward; rms_norm in its input's dtype "
+        "(not yet on the float32 list); hardtanh_ keeping its result, not a clone of its input"
+    )
     assert autocast_policy.older_rules("1.7.1") == older
+    assert autocast_policy.older_rules("2.11.0") == "rms_norm in its input's dtype (not yet on the float32 list)"
     assert autocast_policy.older_rules("2.14.1") == ""
+
+
+def test_before_torch_2_12_cuda_autocast_left_rms_norm_in_its_inputs_dtype() -> None:
+    """rms_norm joined AT_FORALL_FP32 in 2.12 (pytorch/pytorch#188955)."""
+    x, weight = torch.randn(2, 8, dtype=torch.float16), torch.ones(8, dtype=torch.float16)
+    for version, dtype in (("2.11.0", torch.float16), ("2.12.0", torch.float32), ("2.14.1", torch.float32)):
+        with autocast_policy.cuda_policy(version), torch.autocast("cpu", dtype=torch.float16):
+            assert F.rms_norm(x, (8,), weight).dtype == dtype, version
+
+
+def relu6_step(version: str) -> dict[str, Any]:
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU6(inplace=True), nn.Conv2d(64, 64, 3, padding=1),
+                             nn.ReLU6(inplace=True), nn.Flatten(), nn.Linear(64 * 8 * 8, 10))  # fmt: skip
+
+    s = trace.TracedStep(build=build, micro=64, accum=1, num_classes=10, dtype=torch.float16, input=(3, 8, 8),
+                         arrives="float32", torch_version=version)  # fmt: skip
+    return trace.trace_step(s, autocast_policy.CUDA)
+
+
+def test_before_torch_1_10_relu6_in_place_kept_its_result_not_a_clone_and_its_gradient_is_the_same() -> None:
+    """hardtanh_'s derivative read its result until PR #62329 (1.10): no clone of the input (pytorch#95432)."""
+    activation_mib = 64 * 64 * 8 * 8 * 2 / MIB  # one float16 conv output
+    saved = relu6_step("2.14.1")["activations_mib"] - relu6_step("1.9.0")["activations_mib"]
+    assert saved == pytest.approx(2 * activation_mib, rel=0.1)  # one clone per ReLU6
+    x = torch.randn(6, 6) * 8
+    grads = {}
+    for version in ("1.9.0", "2.14.1"):
+        leaf = x.clone().requires_grad_()
+        with autocast_policy.cuda_policy(version):
+            y = F.relu6(leaf * 1, inplace=True)
+        (grads[version],) = torch.autograd.grad((y * torch.arange(6.0)).sum(), leaf)
+    assert torch.equal(grads["1.9.0"], grads["2.14.1"])
