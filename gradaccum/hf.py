@@ -44,7 +44,8 @@ KNOWN = {
                          "Radford et al. 2019, the 345M model (24 layers, d 1024); openai-community/gpt2-medium "
                          "config.json"),
     "t5-base": Known("t5", {"d_model": 768, "d_ff": 3072, "num_layers": 12, "num_decoder_layers": 12,
-                            "num_heads": 12, "d_kv": 64, "vocab_size": 32128}, "seq2seq",
+                            "num_heads": 12, "d_kv": 64, "vocab_size": 32128, "decoder_start_token_id": 0,
+                            "pad_token_id": 0}, "seq2seq",
                      "Raffel et al. 2020, T5-Base (12+12 blocks, d_model 768, d_ff 3072); google-t5/t5-base "
                      "config.json"),
     "llama-3.2-1b": Known("llama", {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,

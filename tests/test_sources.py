@@ -153,3 +153,9 @@ def test_a_token_model_without_a_vocabulary_is_refused_before_anything_is_built(
     with pytest.raises(SystemExit):
         cli.main(["--model-fn", "x.py:f", "--seq-len", "8"])
     assert torch  # the module imports torch anyway; the refusal above came from the parser
+
+
+@pytest.mark.parametrize("name", ["t5-base", "llama-3.2-1b"])
+def test_an_encoder_decoder_and_a_grouped_query_decoder_trace_their_tasks(name: str) -> None:
+    a = fit.answer(fit.Question(model=f"hf:{name}", seq_len=16, batch=1, accum=1, cards=(80.0,)))
+    assert a["input"].endswith(hf.KNOWN[name].task) and a["attention"]["kernels"]
