@@ -335,18 +335,18 @@ def cuda_policy(version: str = PINNED_TORCH) -> Iterator[Difference]:
     whose CUDA lists differ from these, each differing op refuses when called, so a model that never calls one
     traces as before; what it yields names the difference, for the trace's record.
     """
-    diff = difference()
+    diff, unlisted = difference(), not_yet_fp32(version)
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - confined to this context
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
             for name, policy in POLICIES.items():
-                if name not in CUDA_ONLY and name not in diff.gone and name not in not_yet_fp32(version):
+                if name not in CUDA_ONLY and name not in diff.gone and name not in unlisted:
                     lib.impl(name, _kernel(name, policy, name in keeps_input(version)), "AutocastCPU")
             older = fp32_before(version)
             for name in older:
                 lib.impl(name, _kernel(name, "fp32"), "AutocastCPU")
-            for name in not_yet_fp32(version):
+            for name in unlisted:
                 lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
             for name in saves_result(version):
                 lib.impl(name, _result_kernel, "AutogradCPU")

@@ -73,16 +73,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
-    positive = lambda v: v is None or v >= 1  # noqa: E731
     for name, value, ok in (
         ("--batch", args.batch, args.batch >= 1),
         ("--num-classes", args.num_classes, args.num_classes >= 1),
         ("--accum", args.accum, args.accum is None or 1 <= args.accum <= args.batch),
         ("--margin", args.margin, 0 <= args.margin < 1),
         ("--cards", args.cards, not args.cards or all(c > 0 for c in args.cards)),
-        ("--seq-len", args.seq_len, positive(args.seq_len)),
-        ("--vocab", args.vocab, positive(args.vocab)),
-        ("--lora", args.lora, positive(args.lora)),
+        *((name, value, value is None or value >= 1) for name, value in
+          (("--seq-len", args.seq_len), ("--vocab", args.vocab), ("--lora", args.lora))),  # fmt: skip
     ):
         if not ok:
             p.error(f"{name} {value} is not allowed: see --help")

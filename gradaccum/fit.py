@@ -72,9 +72,7 @@ def question_source(q: Question) -> Source:
     """Where the question's model comes from (gradaccum/sources.py, gradaccum/hf.py); refused in one line if it
     cannot be had."""
     if q.model_fn:
-        return function_source(
-            q.model_fn, q.input, q.num_classes, q.seq_len, q.vocab, q.loss_fn, q.input_dtype, q.channels_last
-        )
+        return function_source(q.model_fn, q.input, q.num_classes, q.seq_len, q.vocab, q.loss_fn)
     if q.model.startswith("hf:"):
         from gradaccum.hf import hf_source  # transformers is an extra: imported only when asked for
 
@@ -209,6 +207,7 @@ def question_engine(q: Question, source: Source | None = None) -> Engine:
             channels_last=q.channels_last,
             torch_version=q.torch_version,
             feed=source.feed,
+            loss=source.loss,
         )
 
     usable = tuple(planner.card_usable_mib(card, q.margin) for card in q.cards)

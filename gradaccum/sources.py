@@ -32,23 +32,11 @@ Feed = Callable[[nn.Module, int, str], tuple[torch.Tensor, Any]]
 # paper's recipe: 0.4).
 AUX_WEIGHTS = {"GoogLeNetOutputs": ("logits", {"aux_logits1": 0.3, "aux_logits2": 0.3}),
                "InceptionOutputs": ("logits", {"aux_logits": 0.4})}  # fmt: skip
+AUX_ARCHS = ("googlenet", "inception_v3")  # the torchvision models whose training output is one of those
 
 
 class Untraceable(BadInput):
     """A model that cannot be built or traced: refused in one line that names it and says why."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Source:
-    """A model to trace: `build(checkpointing)` makes it; `feed` is its loss on one micro-batch of its own input
-    (None: a batch of images and cross-entropy over its logits, the trace's own); `input` says what it is fed."""
-
-    name: str
-    build: Callable[[bool], nn.Module]
-    input: str
-    feed: Feed | None = None
-    checkpointing: str | None = None  # how it checkpoints; None: it has no switch
-    notes: tuple[str, ...] = ()
 
 
 def first_tensor(output: Any) -> torch.Tensor:
@@ -76,6 +64,20 @@ def recipe_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
                 loss = loss + weight * F.cross_entropy(getattr(output, field), labels)
         return loss
     return F.cross_entropy(first_tensor(output), labels)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Source:
+    """A model to trace: `build(checkpointing)` makes it; `feed` is its loss on one micro-batch of its own input
+    (None: a batch of images, the trace's own, scored by `loss(output, labels)`); `input` says what it is fed."""
+
+    name: str
+    build: Callable[[bool], nn.Module]
+    input: str
+    feed: Feed | None = None
+    loss: Callable[[Any, torch.Tensor], torch.Tensor] = recipe_loss
+    checkpointing: str | None = None  # how it checkpoints; None: it has no switch
+    notes: tuple[str, ...] = ()
 
 
 def image_source(name: str, input: tuple[int, int, int], num_classes: int) -> Source:
@@ -119,9 +121,6 @@ def image_source(name: str, input: tuple[int, int, int], num_classes: int) -> So
         input=f"images {shape}, {num_classes} classes",
         checkpointing="timm's set_grad_checkpointing",
     )
-
-
-AUX_ARCHS = ("googlenet", "inception_v3")
 
 
 def grad_checkpointing(model: nn.Module, name: str) -> nn.Module:
@@ -172,13 +171,11 @@ def function_source(
     seq_len: int | None,
     vocab: int | None,
     loss_spec: str | None,
-    arrives: str,
-    channels_last: bool,
 ) -> Source:
-    """A user's function returning an nn.Module, fed images of `input`'s shape (labels of `num_classes`) or, with
-    `seq_len`, token ids below `vocab` (labels: the ids themselves, one per position). The loss is `loss_spec`'s
-    function of (output, labels), else cross-entropy over the output's logits (recipe_loss; a token model's
-    logits [batch, positions, vocab])."""
+    """A user's function returning an nn.Module, fed images of `input`'s shape as the trace feeds any classifier
+    (labels of `num_classes`) or, with `seq_len`, token ids below `vocab` (labels: the ids themselves, one per
+    position). The loss is `loss_spec`'s function of (output, labels), else cross-entropy over the output's logits
+    (recipe_loss; a token model's logits [batch, positions, vocab])."""
     make = load_function(spec, "--model-fn")
     loss_fn = load_function(loss_spec, "--loss-fn") if loss_spec else None
 
@@ -198,25 +195,20 @@ def function_source(
                 )
         return model
 
-    def feed(model: nn.Module, micro: int, device: str) -> tuple[torch.Tensor, Any]:
-        if seq_len:
-            x = token_ids(micro, seq_len, vocab or 1, device)
-            output = model(x)
-            if loss_fn:
-                return loss_fn(output, x), x
-            logits = first_tensor(output)
-            return F.cross_entropy(logits.flatten(0, -2), x.flatten()), x
-        x = torch.empty(micro, *input, dtype=getattr(torch, arrives), device=device)
-        x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
-        labels = torch.empty(micro, dtype=torch.long, device=device).random_(num_classes)
+    def tokens(model: nn.Module, micro: int, device: str) -> tuple[torch.Tensor, Any]:
+        x = token_ids(micro, seq_len or 1, vocab or 1, device)
         output = model(x)
-        return (loss_fn(output, labels) if loss_fn else recipe_loss(output, labels)), (x, labels)
+        if loss_fn:
+            return loss_fn(output, x), x
+        logits = first_tensor(output)
+        return F.cross_entropy(logits.flatten(0, -2), x.flatten()), x
 
     fed = f"token ids {seq_len} long (vocab {vocab})" if seq_len else f"images {'x'.join(map(str, input))}"
     return Source(
         name=spec,
         build=build,
         input=fed + (f", loss {loss_spec}" if loss_spec else ", cross-entropy"),
-        feed=feed,
+        feed=tokens if seq_len else None,
+        loss=loss_fn or recipe_loss,
         checkpointing="the module's own switch",
     )

@@ -154,6 +154,7 @@ class TracedStep:
     channels_last: bool = False
     torch_version: str = autocast_policy.PINNED_TORCH
     feed: Callable[[nn.Module, int, str], tuple[torch.Tensor, Any]] | None = None
+    loss: Callable[[Any, torch.Tensor], torch.Tensor] = recipe_loss  # of the images' output and labels
 
     @property
     def set_to_none(self) -> bool:
@@ -191,12 +192,12 @@ class TracedStep:
         return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
     def image_loss(self, model: nn.Module, device: str) -> tuple[torch.Tensor, Any]:
-        """The classifier on one micro-batch of images: cross-entropy against random labels (with auxiliary heads'
-        losses where its recipe adds them: sources.recipe_loss)."""
+        """The classifier on one micro-batch of images: `loss` against random labels (by default cross-entropy, with
+        auxiliary heads' losses where its recipe adds them: sources.recipe_loss)."""
         images = self.images(device)
         labels = torch.empty(self.micro, dtype=torch.long, device=device).random_(self.num_classes)
         logits = model(normalize(images) if self.arrives == "uint8" else images)
-        return recipe_loss(logits, labels), (images, labels)
+        return self.loss(logits, labels), (images, labels)
 
     def run(self, model: nn.Module, opt: torch.optim.Optimizer, device: str = "cpu") -> None:
         """One micro-batch's forward and backward as the loop runs it, then the optimizer step that ends a window.
