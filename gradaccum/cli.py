@@ -63,6 +63,17 @@ def parser() -> argparse.ArgumentParser:
         metavar="VERSION",
         help=f"the torch the step runs on, if older than {choices.PINNED_TORCH}: its version rules (docs/memory.md)",
     )
+    p.add_argument(
+        "--keep-grads",
+        action="store_const",
+        const=True,
+        help="the loop keeps its gradients allocated between steps: zero_grad(set_to_none=False), or none called",
+    )
+    p.add_argument(
+        "--hold-output",
+        action="store_true",
+        help="the loop holds the model's output (logits) through backward: out = model(x); out.loss.backward()",
+    )
     p.add_argument("--gpu", choices=list(allocator.GPUS), default="h100")
     p.add_argument("--cards", type=float, nargs="+", metavar="GB", help="default: the --gpu's size, or 8 to 80")
     p.add_argument("--margin", type=float, default=0.05, help="left free on every card (default 0.05)")
@@ -113,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         channels_last=args.channels_last,
         input_dtype=args.input_dtype,
         torch_version=args.torch_version,
+        keep_grads=args.keep_grads,
+        hold_output=args.hold_output,
         gpu=gpu,
         cards=cards,
         margin=args.margin,

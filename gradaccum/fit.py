@@ -56,6 +56,8 @@ class Question:
     channels_last: bool = False
     input_dtype: str = "float32"  # as the batch reaches the device: a loop's .to(device, dtype) may cast it
     torch_version: str = autocast_policy.PINNED_TORCH  # an older torch's autocast lists and zero_grad (TracedStep)
+    keep_grads: bool | None = None  # gradients stay allocated between steps; None: the torch's zero_grad default
+    hold_output: bool = False  # the loop holds the model's output (logits) until backward is done
     gpu: allocator.Gpu = allocator.STUDY_GPU
     cards: tuple[float, ...] = DEFAULT_CARDS
     margin: float = 0.05  # left free on every card, as params.yaml's memory.safety_margin
@@ -206,6 +208,8 @@ def question_engine(q: Question, source: Source | None = None) -> Engine:
             optimizer=q.optimizer,
             channels_last=q.channels_last,
             torch_version=q.torch_version,
+            keep_grads=q.keep_grads,
+            hold_output=q.hold_output,
             feed=source.feed,
             loss=source.loss,
         )
@@ -264,6 +268,8 @@ def answer(q: Question) -> dict[str, Any]:
         "micro_batch": micro_batch_size(q.batch, accum),
         "amp": q.amp,
         "optimizer": q.optimizer,
+        "keep_grads": not engine.make(1, accum, q.checkpointing, q.amp).set_to_none,  # asked, or the torch's
+        "hold_output": q.hold_output,
         "checkpointing": q.checkpointing,
         "channels_last": q.channels_last,
         "input_dtype": q.input_dtype,
@@ -319,6 +325,8 @@ def printout(a: dict[str, Any]) -> str:
     lines = [
         f"{a['model']}: input {a['input']}, batch {a['batch']} as {a['accum']} x "
         f"{a['micro_batch']}, {a['amp']} autocast, {a['optimizer']}"
+        + (", gradients kept between steps" if a["keep_grads"] else "")
+        + (", the output held through backward" if a["hold_output"] else "")
         + (", activation checkpointing" if a["checkpointing"] else "")
         + (", channels-last" if a["channels_last"] else "")
         + (f", the batch arriving as {a['input_dtype']}" if a["input_dtype"] != "float32" else "")

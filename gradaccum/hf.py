@@ -48,6 +48,9 @@ KNOWN = {
                             "pad_token_id": 0}, "seq2seq",
                      "Raffel et al. 2020, T5-Base (12+12 blocks, d_model 768, d_ff 3072); google-t5/t5-base "
                      "config.json"),
+    "t5-small": Known("t5", {"decoder_start_token_id": 0, "pad_token_id": 0}, "seq2seq",
+                      "Raffel et al. 2020, T5-Small (6+6 blocks, d_model 512, d_ff 2048); google-t5/t5-small "
+                      "config.json, transformers' T5Config default"),
     "llama-3.2-1b": Known("llama", {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
                                     "tie_word_embeddings": True, "rope_theta": 500000.0,
@@ -148,13 +151,14 @@ def hf_source(name: str, seq_len: int, task: str | None, attn: str | None, lora:
             model = with_lora(model, lora, name)
         return model
 
-    def feed(model: nn.Module, micro: int, device: str) -> tuple[torch.Tensor, Any]:
+    def feed(model: nn.Module, micro: int, device: str) -> tuple[torch.Tensor, Any, Any]:
         ids = token_ids(micro, seq_len, vocab, device)
         if task == "seq-cls":
             labels = torch.empty(micro, dtype=torch.long, device=device).random_(cfg.num_labels)
         else:  # every position scored: the logits and their float32 copy are the same size as for a masked few
             labels = ids
-        return model(input_ids=ids, labels=labels).loss, (ids, labels)
+        out = model(input_ids=ids, labels=labels)
+        return out.loss, (ids, labels), out
 
     notes = [f"configuration: {where}", f"task {task}: {auto_class(task).__name__}"]
     notes += [f"LoRA rank {lora} (peft) on the default target modules, the base frozen"] if lora else []

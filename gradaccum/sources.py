@@ -25,7 +25,8 @@ from torch import nn
 
 from gradaccum.refusal import BadInput
 
-Feed = Callable[[nn.Module, int, str], tuple[torch.Tensor, Any]]
+# (model, micro-batch, device) -> the loss, the batch the loop holds until backward is done, the model's output
+Feed = Callable[[nn.Module, int, str], tuple[torch.Tensor, Any, Any]]
 # Training outputs with auxiliary heads, and the weights their papers' recipes give those heads' losses (the memory
 # is the same whatever the weight: autograd keeps every head's activations): GoogLeNet (Szegedy et al. 2015, "the
 # losses of the auxiliary classifiers were weighted by 0.3"), Inception v3 (PyTorch's fine-tuning tutorial and the
@@ -195,13 +196,13 @@ def function_source(
                 )
         return model
 
-    def tokens(model: nn.Module, micro: int, device: str) -> tuple[torch.Tensor, Any]:
+    def tokens(model: nn.Module, micro: int, device: str) -> tuple[torch.Tensor, Any, Any]:
         x = token_ids(micro, seq_len or 1, vocab or 1, device)
         output = model(x)
         if loss_fn:
-            return loss_fn(output, x), x
+            return loss_fn(output, x), x, output
         logits = first_tensor(output)
-        return F.cross_entropy(logits.flatten(0, -2), x.flatten()), x
+        return F.cross_entropy(logits.flatten(0, -2), x.flatten()), x, output
 
     fed = f"token ids {seq_len} long (vocab {vocab})" if seq_len else f"images {'x'.join(map(str, input))}"
     return Source(

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from timm.layers import is_fast_norm, set_fast_norm
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _UpdateType
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradaccum import allocator, autocast_policy
 from gradaccum.attention import CudaKernels
@@ -104,7 +105,20 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {  # what a step's
     # before `adamw_torch`, stepped, holding one parameter's temporaries, not a list of them
     "adamw-loop": lambda model, foreach: torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01,
                                                            foreach=False),  # fmt: skip
+    # torch's Adafactor: a matrix keeps a row and a column of its second moment, a vector the whole; no first moment
+    "adafactor": lambda model, foreach: torch.optim.Adafactor(model.parameters(), foreach=foreach),
 }
+
+
+class ValuesReadAsOne(TorchDispatchMode):
+    """A fake tensor read as a Python number (`.item()`) is read as 1.0. Adafactor's step reads norms so, to scale
+    its update by a scalar; on fake tensors there is no value, and the value decides that scalar, not which tensors
+    the step makes, so any value traces the same allocations. Real tensors are read as they are."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            return 1.0
+        return func(*args, **(kwargs or {}))
 
 
 def steady_optimizer(
@@ -121,7 +135,8 @@ def steady_optimizer(
     for p in model.parameters():
         if p.requires_grad:  # a frozen weight (LoRA's base) gets no gradient and no optimizer state
             p.grad = torch.zeros_like(p)
-    opt.step()
+    with ValuesReadAsOne():
+        opt.step()
     if accum == 1:
         opt.zero_grad(set_to_none=set_to_none)
     return opt
@@ -153,13 +168,18 @@ class TracedStep:
     optimizer: str = "adamw"
     channels_last: bool = False
     torch_version: str = autocast_policy.PINNED_TORCH
-    feed: Callable[[nn.Module, int, str], tuple[torch.Tensor, Any]] | None = None
+    feed: Callable[[nn.Module, int, str], tuple[torch.Tensor, Any, Any]] | None = None
     loss: Callable[[Any, torch.Tensor], torch.Tensor] = recipe_loss  # of the images' output and labels
+    keep_grads: bool | None = None  # the loop keeps its gradients allocated between steps; None: torch's default
+    hold_output: bool = False  # the loop keeps the model's output (its logits) until backward is done
 
     @property
     def set_to_none(self) -> bool:
-        """zero_grad()'s default: from torch 2.0 it frees the gradients; before, it zeroed them and kept them
-        allocated through the next forward and backward (pytorch/pytorch#92731)."""
+        """Whether the step's zero_grad frees the gradients. torch's default: from 2.0 it does; before, it zeroed
+        them and kept them allocated through the next forward and backward (pytorch/pytorch#92731). A loop that
+        calls zero_grad(set_to_none=False), or never frees them, keeps them whatever the torch (`keep_grads`)."""
+        if self.keep_grads is not None:
+            return not self.keep_grads
         return autocast_policy.release(self.torch_version) >= (2, 0)
 
     @classmethod
@@ -191,13 +211,13 @@ class TracedStep:
         images = torch.empty(self.micro, *self.input, dtype=getattr(torch, self.arrives), device=device)
         return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
-    def image_loss(self, model: nn.Module, device: str) -> tuple[torch.Tensor, Any]:
+    def image_loss(self, model: nn.Module, device: str) -> tuple[torch.Tensor, Any, Any]:
         """The classifier on one micro-batch of images: `loss` against random labels (by default cross-entropy, with
         auxiliary heads' losses where its recipe adds them: sources.recipe_loss)."""
         images = self.images(device)
         labels = torch.empty(self.micro, dtype=torch.long, device=device).random_(self.num_classes)
         logits = model(normalize(images) if self.arrives == "uint8" else images)
-        return self.loss(logits, labels), (images, labels)
+        return self.loss(logits, labels), (images, labels), logits
 
     def run(self, model: nn.Module, opt: torch.optim.Optimizer, device: str = "cpu") -> None:
         """One micro-batch's forward and backward as the loop runs it, then the optimizer step that ends a window.
@@ -206,10 +226,15 @@ class TracedStep:
         so the peak is this one's.
         """
         with torch.autocast(device, dtype=self.dtype, enabled=self.dtype is not None):
-            loss, batch = self.feed(model, self.micro, device) if self.feed else self.image_loss(model, device)
+            loss, batch, output = self.feed(model, self.micro, device) if self.feed else self.image_loss(model, device)
+        # `out = model(x); out.loss.backward()` holds the output (a transformer's logits) through backward; a loop
+        # that keeps only the loss, as the Trainer's compute_loss does, lets it go first
+        held = (batch, output) if self.hold_output else batch
+        del batch, output
         loss.backward()
-        del loss, batch
-        opt.step()
+        del loss, held
+        with ValuesReadAsOne():
+            opt.step()
         opt.zero_grad(set_to_none=self.set_to_none)
 
 

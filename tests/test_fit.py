@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import pytest
@@ -19,8 +20,8 @@ from gradaccum.refusal import REFUSED
 MIB = 2**20
 
 
-def linear(inputs: int = 3 * 8 * 8) -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(inputs, 10, bias=False))
+def linear(inputs: int = 3 * 8 * 8, outputs: int = 10) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(inputs, outputs, bias=False))
 
 
 def loader_step(build: Callable[[], nn.Module], dtype: torch.dtype | None, **changes: Any) -> trace.TracedStep:
@@ -51,6 +52,14 @@ def test_a_dataloaders_batch_arrives_each_step_as_float32_of_the_inputs_shape() 
     assert momentum["optimizer_mib"] == pytest.approx(weights)  # one buffer per parameter
     adam = trace.trace_step(replace(step, optimizer="adam"))
     assert adam["optimizer_mib"] == pytest.approx(2 * weights, rel=0.01)  # two moments (and a step count)
+
+
+def test_adafactor_keeps_a_row_and_a_column_of_each_matrixs_second_moment() -> None:
+    """torch's Adafactor on a 4096 x 192 weight: row and column variances, 4096 + 192 floats (and a step count),
+    where Adam keeps two moments of 786432; its step reads norms as numbers, which fake tensors are read as 1.0."""
+    wide = replace(loader_step(partial(linear, outputs=4096), None), optimizer="adafactor")
+    for policy in (autocast_policy.CPU, autocast_policy.CUDA):  # one tensor at a time, and CUDA's foreach
+        assert trace.trace_step(wide, policy)["optimizer_mib"] == pytest.approx((4096 + 192 + 1) * 4 / MIB, abs=1e-3)
 
 
 def test_the_answer_has_every_figure_and_a_card_answer_that_fits_its_own_trace() -> None:
@@ -189,6 +198,31 @@ def test_before_torch_2_zero_grad_kept_the_gradients_through_the_next_step() -> 
     assert not step.set_to_none and trace.trace_step(step)["gradients_mib"] == pytest.approx(weights)
     later = replace(step, torch_version="2.0.0")
     assert later.set_to_none and trace.trace_step(later)["gradients_mib"] < weights
+
+
+def test_a_loop_that_keeps_its_gradients_keeps_them_whatever_the_torch() -> None:
+    """zero_grad(set_to_none=False), or none at all (milabench's loops): the gradient is live at the peak on torch 2
+    as torch 1.13's default kept it; asked not to, torch 1.13's step frees it."""
+    weights = 3 * 8 * 8 * 10 * 4 / MIB
+    kept = loader_step(linear, None, keep_grads=True)
+    assert not kept.set_to_none and trace.trace_step(kept)["gradients_mib"] == pytest.approx(weights)
+    freed = loader_step(linear, None, torch_version="1.13.1", keep_grads=False)
+    assert freed.set_to_none and trace.trace_step(freed)["gradients_mib"] < weights
+
+
+def test_a_loop_that_holds_the_output_holds_the_logits_through_backward() -> None:
+    """`out = model(x); loss(out).backward()`: the logits stay live beside backward's own gradients, where a loop
+    that keeps only the loss frees them once log_softmax has saved its output: the logits' bytes more."""
+    wide = partial(linear, outputs=4096)
+    freed, held = (trace.trace_step(loader_step(wide, None, hold_output=h)) for h in (False, True))
+    assert held["peak_mib"] - freed["peak_mib"] == pytest.approx(512 * 4096 * 4 / MIB)
+
+
+def test_the_loops_habits_are_named_in_the_answer(capsys: pytest.CaptureFixture[str]) -> None:
+    cli.main(["test_resnet", "--input", "3x32x32", "--batch", "32", "--cards", "80", "--keep-grads", "--hold-output"])
+    assert "gradients kept between steps, the output held through backward" in capsys.readouterr().out
+    cli.main(["test_resnet", "--input", "3x32x32", "--batch", "32", "--cards", "80", "--torch", "1.13.1", "--json"])
+    assert json.loads(capsys.readouterr().out)["keep_grads"] is True  # torch 1.13's zero_grad kept them
 
 
 def test_a_batch_cast_on_its_way_to_the_gpu_keeps_no_float32_copy() -> None:

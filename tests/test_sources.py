@@ -20,6 +20,7 @@ PUBLISHED_PARAMETERS = {
     "bert-large-uncased": (335e6, 0.01),  # "340M" in the paper counts the pooler and NSP heads: 335M for MLM
     "gpt2": (124_439_808, 0),
     "gpt2-medium": (354_823_168, 0),
+    "t5-small": (60_506_624, 0),
     "t5-base": (222_903_552, 0),
     "llama-3.2-1b": (1_235_814_400, 0),  # the model card's 1.23B; tied embeddings
     "tinyllama-1.1b": (1_100_048_384, 0),
