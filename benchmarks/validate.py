@@ -18,7 +18,7 @@ from pathlib import Path
 import timm.layers
 
 from gradaccum import allocator, fit, outputs, params, study_trace, trace
-from gradaccum.report.rules import GOALS
+from gradaccum.report.rules import GOALS, measured_by
 from gradaccum.tutorial import CLAIMS
 
 MESA = (
@@ -305,7 +305,7 @@ def main() -> None:
         line = {
             "measured": measured,
             "rows": len(ratios),
-            "sources": len({r["origin"] or r["source"] for r in rows if r["measured"] == measured}),
+            "sources": len({measured_by(r) for r in rows if r["measured"] == measured}),
             "goal": goal,
             "within_goal": sum(abs(x - 1) <= goal for x in ratios),
             "median_ratio": round(statistics.median(ratios), 3),

@@ -14,3 +14,8 @@ CLOSE = 0.05  # a prediction (the planner's, the trace's) called within this sha
 SAME_ACTIVATIONS = 1.02  # GroupNorm keeping at most this times BatchNorm's activations costs no memory
 CHANCE_P = 0.1  # a sign test's p above this: every round agreeing could be chance
 GOALS = {"allocated": 0.03, "reserved": 0.10, "nvidia-smi": 0.10}  # how close a predicted GPU figure must come
+
+
+def measured_by(row: dict) -> str:
+    """Who measured a validation row: one source that states several setups is counted once."""
+    return row.get("origin") or row["source"]

@@ -110,7 +110,7 @@ def validation_summary(validation: dict[str, Any]) -> str:
         f"{s['min_ratio']:.3f} to {s['max_ratio']:.3f}, {s['sources']} source{'s' * (s['sources'] > 1)})"
         for s in validation["summary"]
     ]
-    rows, sources = len(validation["rows"]), len({r.get("origin") or r["source"] for r in validation["rows"]})
+    rows, sources = len(validation["rows"]), len({rules.measured_by(r) for r in validation["rows"]})
     return (
         f"The engine behind these predictions, checked against {rows} published GPU measurements from {sources} "
         f"independent sources (`{validation['command']}`; docs/validation.md has every row, its setup and why "
